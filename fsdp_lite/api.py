@@ -1,0 +1,60 @@
+"""Policy dataclasses: small, frozen, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes a unit computes and communicates in; the fp32 shard stays the master copy.
+
+    Args:
+        param_dtype: dtype of the full (gathered) parameters and of the forward and
+            backward compute. Shards are cast to it *before* the all-gather, so the
+            gather moves ``param_dtype`` bytes.
+        reduce_dtype: dtype of the gradient reduce-scatter. ``None`` means ``param_dtype``.
+            The reduced gradient is always accumulated into the fp32 shard grad.
+        buffer_dtype: dtype buffers (e.g. running statistics) compute in. ``None`` keeps
+            each buffer's own dtype. State dicts always return buffers in their original dtype.
+        cast_inputs: the root unit casts floating-point inputs (nested in tuples, lists,
+            dicts and keyword arguments) to ``param_dtype``.
+        fp32_module_types: module types that compute in fp32 whatever ``param_dtype`` is:
+            their parameters are gathered in fp32, their buffers stay fp32, floating
+            inputs are cast to fp32 and floating outputs back to ``param_dtype``.
+            By default every BatchNorm, whose statistics drift or whose kernels are
+            missing in half precision (as in PyTorch FSDP1, which keeps norms in fp32).
+    """
+
+    param_dtype: torch.dtype = torch.float16
+    reduce_dtype: torch.dtype | None = torch.float32
+    buffer_dtype: torch.dtype | None = None
+    cast_inputs: bool = True
+    fp32_module_types: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, field)
+            if field != "param_dtype" and value is None:
+                continue
+            if value not in _LOW_PRECISION:
+                raise ValueError(
+                    f"MixedPrecision.{field} must be one of torch.float16, torch.bfloat16 or "
+                    f"torch.float32, got {value!r}"
+                )
+        if not isinstance(self.fp32_module_types, tuple) or not all(
+            isinstance(t, type) and issubclass(t, nn.Module) for t in self.fp32_module_types
+        ):
+            raise ValueError(
+                "MixedPrecision.fp32_module_types must be a tuple of nn.Module subclasses, "
+                f"got {self.fp32_module_types!r}"
+            )
+
+    @property
+    def effective_reduce_dtype(self) -> torch.dtype:
+        return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype

@@ -1,0 +1,273 @@
+"""FSDPModule: one unit of fully sharded data parallelism.
+
+A reader follows one training step here (forward) and in ``runtime.py`` (backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from fsdp_lite import collectives, runtime
+from fsdp_lite import state_dict as _state_dict
+from fsdp_lite.api import MixedPrecision
+from fsdp_lite.flat_param import FlatParam
+from fsdp_lite.state import TrainingState, check_state
+from fsdp_lite.unit_init import build_flat_params, prepare_buffers, region_modules
+from fsdp_lite.wrap import Policy, apply_policy
+
+
+class FSDPModule(nn.Module):
+    """Shard ``module``'s parameters across the ranks of ``process_group``.
+
+    The parameters of ``module`` that no nested ``FSDPModule`` owns are flattened into
+    one 1-D buffer per (dtype, requires_grad, compute dtype), padded to a multiple of
+    the world size W, and rank r keeps its contiguous 1/W slice as an fp32
+    ``nn.Parameter`` (the *shard*). ``parameters()`` yields only shards: build the
+    optimizer after wrapping. Forward all-gathers the full parameters in the compute
+    dtype, runs ``module`` and frees them again; backward re-gathers them and
+    reduce-scatters the gradients into the shards' ``.grad`` (averaged over ranks).
+
+    Args:
+        module: the module to shard. It may already contain ``FSDPModule`` children
+            (wrapped by hand); the outermost unit becomes the root at its first forward.
+        process_group: the ranks to shard over (default: the world group).
+        auto_wrap_policy: ``policy(submodule) -> bool``; every submodule it picks becomes
+            its own unit, bottom-up (see ``fsdp_lite.wrap``). Parameters tied across
+            units go to the lowest unit that contains every use.
+        reshard_after_forward: free the full parameters after forward and re-gather them
+            in backward (``False`` keeps them until the end of backward: less
+            communication, more memory).
+        mixed_precision: compute and communication dtypes (``None``: everything fp32).
+        sync_module_states: broadcast parameters and buffers from rank 0 at wrap time.
+        device: compute device; default ``cuda:LOCAL_RANK`` if CUDA is available, else cpu.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: collectives.ProcessGroup | None = None,
+        auto_wrap_policy: Policy | None = None,
+        reshard_after_forward: bool = True,
+        mixed_precision: MixedPrecision | None = None,
+        sync_module_states: bool = False,
+        device: torch.device | str | int | None = None,
+        *,
+        _defer_params: frozenset[int] = frozenset(),
+    ) -> None:
+        _check_wrappable(module, mixed_precision)
+        collectives.require_initialized()
+        super().__init__()
+        self.module = module
+        self.process_group = collectives.resolve_group(process_group)
+        self.device = collectives.default_device(device)
+        self.reshard_after_forward = reshard_after_forward
+        self.mixed_precision = mixed_precision
+        if auto_wrap_policy is not None:
+            make_unit = functools.partial(
+                _wrap_child,
+                process_group=self.process_group,
+                reshard_after_forward=reshard_after_forward,
+                mixed_precision=mixed_precision,
+                sync_module_states=sync_module_states,
+                device=self.device,
+            )
+            apply_policy(module, auto_wrap_policy, make_unit)
+        self._unit_name = type(module).__name__  # refined to the module path at lazy init
+        # The flat params this unit owns; each shard is registered as flat_param_<i>.
+        self._flat_params: list[FlatParam] = build_flat_params(
+            self, module, _defer_params, sync_module_states
+        )
+        for i, flat in enumerate(self._flat_params):
+            self.register_parameter(f"flat_param_{i}", flat.shard)
+            if flat.requires_grad:
+                flat.full.register_post_accumulate_grad_hook(
+                    functools.partial(_post_accumulate, self, flat)
+                )
+        prepare_buffers(self, module, sync_module_states)
+        _install_fp32_modules(module, mixed_precision)
+        module.__dict__["_fsdp_lite_wrapped"] = True
+        self._state = TrainingState.IDLE
+        self._sync_grads = True  # False inside no_sync()
+        self._is_root: bool | None = None  # decided at the first forward
+        self._ctx: runtime.RootContext | None = None  # shared with every unit of the root's tree
+
+    # -- public ------------------------------------------------------------------
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._state
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()
+        mp = self.mixed_precision
+        if self._is_root and mp is not None and mp.cast_inputs:
+            args, kwargs = runtime.cast_floats((args, kwargs), mp.param_dtype)
+        if runtime.in_backward():  # activation-checkpoint recompute
+            runtime.pre_backward(self)
+            self._use_full_params()
+            return self.module(*args, **kwargs)
+        check_state(self._unit_name, self._state, TrainingState.IDLE, doing="run forward")
+        with record_function("fsdp_lite::unshard"):
+            self._state = TrainingState.FORWARD
+            self._use_full_params()
+        try:
+            output = self.module(*args, **kwargs)
+        except BaseException:
+            self._reshard()
+            self._state = TrainingState.IDLE
+            raise
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            runtime.register_pre_backward(self, output)
+        if self.reshard_after_forward or not grad_enabled:
+            self._reshard()
+        self._state = TrainingState.IDLE
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, unsharded, with no communication.
+
+        The first backward outside the context reduce-scatters the sum. Costs one
+        unsharded fp32 gradient per flat param for the duration.
+        """
+        units = self._units()
+        for unit in units:
+            check_state(unit._unit_name, unit._state, TrainingState.IDLE, doing="enter no_sync")
+        for unit in units:
+            unit._sync_grads = False
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit._sync_grads = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale shard grads so their total norm over all ranks is at most ``max_norm``.
+
+        Returns the total norm before clipping (an fp32 scalar tensor, equal on every rank).
+        """
+        units = self._units()
+        for unit in units:
+            check_state(unit._unit_name, unit._state, TrainingState.IDLE, doing="clip_grad_norm_")
+        grads = [f.shard.grad for u in units for f in u._flat_params if f.shard.grad is not None]
+        norm_type = float(norm_type)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if norm_type == float("inf"):
+            for g in grads:
+                total = torch.maximum(total, g.abs().max().float())
+            collectives.all_reduce(total, self.process_group, op="max")
+        else:
+            for g in grads:
+                total += g.float().norm(norm_type) ** norm_type
+            collectives.all_reduce(total, self.process_group, op="sum")
+            total = total ** (1.0 / norm_type)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The full, unsharded state dict with the original module's keys, fp32, on CPU.
+
+        Every rank must call it (it all-gathers); every rank receives the whole dict.
+        """
+        sd = _state_dict.full_state_dict(self)
+        if destination is None:
+            return {prefix + k: v for k, v in sd.items()} if prefix else sd
+        for k, v in sd.items():
+            destination[prefix + k] = v
+        return destination
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
+        """Load a full state dict (as from ``state_dict()`` or from the unwrapped module)."""
+        return _state_dict.load_full_state_dict(self, state_dict, strict=strict)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    # -- internals ---------------------------------------------------------------
+
+    def _units(self) -> list[FSDPModule]:
+        return [m for m in self.modules() if isinstance(m, FSDPModule)]
+
+    def _lazy_init(self) -> None:
+        """Make the first unit to run forward the root of every unit below it."""
+        if self._ctx is not None:
+            return
+        units = self._units()
+        ctx = runtime.RootContext(units=units)
+        names = {id(m): n for n, m in _state_dict.clean_named_modules(self)}
+        for unit in units:
+            unit._is_root = unit is self
+            unit._ctx = ctx
+            path = names.get(id(unit.module), "")
+            unit._unit_name = path or f"<root {type(unit.module).__name__}>"
+
+    def _use_full_params(self) -> None:
+        for flat in self._flat_params:
+            flat.unshard()
+            flat.use_full_views()
+
+    def _reshard(self) -> None:
+        for flat in self._flat_params:
+            flat.reshard()
+
+    def _reduce_dtype(self, flat: FlatParam) -> torch.dtype:
+        mp = self.mixed_precision
+        return flat.compute_dtype if mp is None else mp.effective_reduce_dtype
+
+
+def _post_accumulate(unit: FSDPModule, flat: FlatParam, full: torch.Tensor) -> None:
+    runtime.post_backward(unit, flat)
+
+
+def _wrap_child(child: nn.Module, defer: set[int], **kwargs: Any) -> FSDPModule:
+    return FSDPModule(child, _defer_params=frozenset(defer), **kwargs)
+
+
+def _check_wrappable(module: nn.Module, mixed_precision: MixedPrecision | None) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"FSDPModule wraps an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule) or module.__dict__.get("_fsdp_lite_wrapped"):
+        raise ValueError(
+            f"{type(module).__name__} is already wrapped by fsdp_lite.FSDPModule: "
+            "wrap each module once (nest units by wrapping children first, then the parent)"
+        )
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision must be fsdp_lite.MixedPrecision or None, got {mixed_precision!r}"
+        )
+    devices = {str(p.device) for p in module.parameters()}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{type(module).__name__}'s parameters sit on different devices ({sorted(devices)}): "
+            "move the module to one device (e.g. module.to('cpu')) before wrapping; "
+            "FSDPModule then moves it to its compute device"
+        )
+
+
+def _install_fp32_modules(module: nn.Module, mp: MixedPrecision | None) -> None:
+    """Make modules of ``mp.fp32_module_types`` take fp32 inputs and return ``param_dtype``."""
+    if mp is None or mp.param_dtype == torch.float32:
+        return
+    for sub in region_modules(module):
+        if isinstance(sub, mp.fp32_module_types):
+            sub.register_forward_pre_hook(
+                lambda m, args, kwargs: runtime.cast_floats((args, kwargs), torch.float32),
+                with_kwargs=True,
+            )
+            sub.register_forward_hook(
+                lambda m, args, out, dtype=mp.param_dtype: runtime.cast_floats(out, dtype)
+            )

@@ -1,0 +1,96 @@
+"""Spawn W ranks (gloo, file-store rendezvous), run one function on each, report failures.
+
+Run many cases inside one spawn: spawning costs seconds, a case milliseconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks failed or hung; the message holds each rank's traceback."""
+
+
+def _worker(fn, rank: int, world_size: int, init_file: str, results, args, timeout: float) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return each rank's result.
+
+    ``fn`` must be importable (a module-level function). Any rank's exception is raised
+    here with its rank and traceback; ranks still running ``timeout`` seconds after the
+    start (or 10 s after another rank failed) are killed and reported as hung.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="fsdp_lite_") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn, rank, world_size, init_file, results, args, timeout),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        reports = _collect(results, procs, timeout)
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = [f"--- rank {r} failed ---\n{v}" for r, (ok, v) in sorted(reports.items()) if not ok]
+    hung = [r for r in range(world_size) if r not in reports]
+    if hung:
+        failures.append(f"--- ranks {hung} hung or died without a report (killed) ---")
+    if failures:
+        raise DistributedTestError(f"{fn.__name__} on {world_size} ranks:\n" + "\n".join(failures))
+    return [reports[r][1] for r in range(world_size)]
+
+
+def _collect(results, procs, timeout: float) -> dict[int, tuple[bool, Any]]:
+    reports: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(reports) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+            reports[rank] = (ok, value)
+            if not ok:  # peers may now wait forever on the failed rank
+                deadline = min(deadline, time.monotonic() + 10.0)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+    return reports

@@ -1,0 +1,133 @@
+"""Wrap-time work of a unit: pick its parameters, flatten them, prepare its buffers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from fsdp_lite import collectives
+from fsdp_lite.flat_param import FlatParam, ParamSlot
+from fsdp_lite.wrap import unowned_parameters
+
+if TYPE_CHECKING:
+    from fsdp_lite.fsdp import FSDPModule
+
+
+def region_modules(module: nn.Module) -> list[nn.Module]:
+    """``module`` and its descendants, not descending into nested units (each once)."""
+    from fsdp_lite.fsdp import FSDPModule
+
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if id(m) in seen or isinstance(m, FSDPModule):
+            return
+        seen.add(id(m))
+        out.append(m)
+        for child in m._modules.values():
+            if child is not None:
+                visit(child)
+
+    visit(module)
+    return out
+
+
+def _flattened_by_nested(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
+    """id(original param) -> (unit name, param) for parameters nested units already own."""
+    from fsdp_lite.fsdp import FSDPModule
+
+    owned: dict[int, tuple[str, nn.Parameter]] = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, FSDPModule):
+            for flat in sub._flat_params:
+                for ref in flat.original_refs:
+                    p = ref()
+                    if p is not None:
+                        owned[id(p)] = (name or type(sub.module).__name__, p)
+    return owned
+
+
+def _compute_dtype(unit: FSDPModule, sub: nn.Module, p: nn.Parameter) -> torch.dtype:
+    mp = unit.mixed_precision
+    if mp is None or isinstance(sub, mp.fp32_module_types):
+        return p.dtype
+    return mp.param_dtype
+
+
+def build_flat_params(
+    unit: FSDPModule, module: nn.Module, defer: frozenset[int], sync: bool
+) -> list[FlatParam]:
+    """Flatten the parameters of ``module`` that no nested unit owns, one FlatParam per
+    (dtype, requires_grad, compute dtype), and replace them by views of the full buffer."""
+    owned = _flattened_by_nested(module)
+    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    groups: dict[tuple, list[tuple[ParamSlot, nn.Parameter]]] = {}
+    slot_of: dict[int, ParamSlot] = {}
+    for sub, attr, p in unowned_parameters(module):
+        name = f"{names.get(id(sub), '?')}.{attr}".lstrip(".")
+        sub.__dict__.setdefault("_fsdp_lite_param_order", list(sub._parameters.keys()))
+        if id(p) in defer:
+            continue
+        if id(p) in owned and owned[id(p)][1] is p:
+            raise ValueError(
+                f"parameter '{name}' is tied to a parameter already sharded by the nested unit "
+                f"'{owned[id(p)][0]}'; a tied parameter must live in one unit. Do not wrap that "
+                "submodule by hand: use auto_wrap_policy, which keeps tied parameters in the "
+                "lowest unit that contains every use, or wrap a common ancestor instead"
+            )
+        if not p.is_floating_point():
+            raise TypeError(f"parameter '{name}' has dtype {p.dtype}: fsdp_lite shards floating-point parameters only")
+        if id(p) in slot_of:  # a tie inside this unit: one slot, several locations
+            slot_of[id(p)].locations.append((sub, attr))
+            continue
+        key = (p.dtype, p.requires_grad, _compute_dtype(unit, sub, p))
+        slot = ParamSlot([(sub, attr)], name, p.shape, p.numel(), 0)
+        slot_of[id(p)] = slot
+        groups.setdefault(key, []).append((slot, p))
+
+    flats = []
+    for (_, _, compute_dtype), members in groups.items():
+        offset = 0
+        for slot, _ in members:
+            slot.offset = offset
+            offset += slot.numel
+        flat = FlatParam(
+            [s for s, _ in members],
+            [p for _, p in members],
+            group=unit.process_group,
+            device=unit.device,
+            compute_dtype=compute_dtype,
+            sync=sync,
+        )
+        for slot in flat.slots:
+            for sub, attr in slot.locations:
+                delattr(sub, attr)
+        # Leave shape-correct (storage-less) views at the original attributes.
+        flat.full_data.untyped_storage().resize_(flat.full_nbytes)
+        with torch.no_grad():
+            flat.use_full_views()
+        flat.reshard()
+        flats.append(flat)
+    return flats
+
+
+def prepare_buffers(unit: FSDPModule, module: nn.Module, sync: bool) -> None:
+    """Move this unit's buffers to its device, optionally sync them from rank 0, and cast
+    them to ``buffer_dtype`` (fp32 modules keep theirs); remember original dtypes."""
+    mp = unit.mixed_precision
+    for sub in region_modules(module):
+        original = sub.__dict__.setdefault("_fsdp_lite_buffer_dtypes", {})
+        for name, buf in sub._buffers.items():
+            if buf is None:
+                continue
+            original.setdefault(name, buf.dtype)
+            buf = buf.to(unit.device)
+            if sync:
+                collectives.broadcast(buf, unit.process_group)
+            keep = mp is None or mp.buffer_dtype is None or isinstance(sub, mp.fp32_module_types)
+            if buf.is_floating_point() and not keep:
+                buf = buf.to(mp.buffer_dtype)
+            sub._buffers[name] = buf

@@ -1,0 +1,107 @@
+"""Auto-wrap policies: callables ``policy(module) -> bool``.
+
+A policy is asked about every submodule of the module being wrapped, bottom-up
+(children before parents); ``True`` makes that submodule its own unit. The module
+passed to ``FSDPModule`` itself is always a unit (the root), whatever the policy says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+Policy = Callable[[nn.Module], bool]
+
+
+def by_type(*module_classes: type[nn.Module]) -> Policy:
+    """Wrap every instance of the given classes, e.g. ``by_type(TransformerBlock)``."""
+    if not module_classes or not all(
+        isinstance(c, type) and issubclass(c, nn.Module) for c in module_classes
+    ):
+        raise TypeError(f"wrap.by_type needs nn.Module subclasses, got {module_classes!r}")
+
+    def policy(module: nn.Module) -> bool:
+        return isinstance(module, module_classes)
+
+    return policy
+
+
+def by_size(min_num_params: int) -> Policy:
+    """Wrap a module once the parameters it holds outside nested units reach ``min_num_params``."""
+    if min_num_params < 1:
+        raise ValueError(f"wrap.by_size needs min_num_params >= 1, got {min_num_params}")
+
+    def policy(module: nn.Module) -> bool:
+        return sum(p.numel() for _, _, p in unowned_parameters(module)) >= min_num_params
+
+    return policy
+
+
+def any_of(*policies: Policy) -> Policy:
+    """Wrap a module if any of ``policies`` would."""
+    if not policies or not all(callable(p) for p in policies):
+        raise TypeError("wrap.any_of needs one or more callable policies")
+
+    def policy(module: nn.Module) -> bool:
+        return any(p(module) for p in policies)
+
+    return policy
+
+
+def _is_unit(module: nn.Module) -> bool:
+    from fsdp_lite.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def unowned_parameters(module: nn.Module, prefix: str = ""):
+    """``(module, attr, param)`` for parameters in ``module``'s tree not yet flattened by a unit.
+
+    A unit's own registered parameters are its shards and are skipped; parameters left
+    inside a nested unit (ties deferred to an ancestor) are included.
+    """
+    seen: set[int] = set()
+    for name, sub in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
+        if _is_unit(sub) or id(sub) in seen:
+            continue
+        seen.add(id(sub))
+        for attr, p in sub._parameters.items():
+            if p is not None:
+                yield sub, attr, p
+
+
+def param_locations(module: nn.Module) -> dict[int, list[str]]:
+    """id(param) -> every module path it is registered under (ties show up more than once)."""
+    where: dict[int, list[str]] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        for attr, p in sub._parameters.items():
+            if p is not None:
+                where.setdefault(id(p), []).append(f"{name}.{attr}" if name else attr)
+    return where
+
+
+def apply_policy(root: nn.Module, policy: Policy, make_unit: Callable) -> None:
+    """Replace, bottom-up, each submodule of ``root`` the policy picks with ``make_unit(sub, defer)``.
+
+    ``defer`` holds the parameters of ``sub`` that are also registered outside it (ties):
+    they are left for the lowest enclosing unit that contains every use.
+    """
+    locations = param_locations(root)
+
+    def visit(module: nn.Module, path: str) -> None:
+        for name, child in list(module.named_children()):
+            if _is_unit(child):
+                continue
+            child_path = f"{path}{name}"
+            visit(child, child_path + ".")
+            if not policy(child):
+                continue
+            defer = {
+                id(p)
+                for _, _, p in unowned_parameters(child)
+                if any(not loc.startswith(child_path + ".") for loc in locations.get(id(p), []))
+            }
+            setattr(module, name, make_unit(child, defer))
+
+    visit(root, "")
