@@ -104,11 +104,15 @@ class FlatParam:
         if self.is_unsharded:
             self.full_data.untyped_storage().resize_(0)
 
-    def gather_fp32(self) -> torch.Tensor:
-        """A new unpadded full copy of the master parameters, in the shard dtype."""
+    def gather_fp32(self, source: torch.Tensor | None = None) -> torch.Tensor:
+        """A new unpadded full copy of ``source`` (default: the master shard) from every rank.
+
+        ``source`` is shard-shaped, e.g. ``shard.grad``; the result has the shard's dtype.
+        """
+        source = self.shard if source is None else source
         out = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
         with torch.no_grad():
-            collectives.all_gather_flat(out, self.shard.detach(), self.group)
+            collectives.all_gather_flat(out, source.detach().to(self.shard.dtype), self.group)
         return out[: self.numel]
 
     def use_full_views(self) -> None:

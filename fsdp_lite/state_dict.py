@@ -70,17 +70,28 @@ def _expected_shapes(root: FSDPModule) -> dict[str, torch.Size]:
     return out
 
 
-def full_state_dict(root: FSDPModule) -> dict[str, torch.Tensor]:
-    """Gather every unit's parameters in fp32 (collective: call on every rank)."""
-    units = _check_idle(root, "produce a state dict")
+def _gathered_params(units: list[FSDPModule], grads: bool) -> dict[tuple[int, str], torch.Tensor]:
+    """(id(module), attr) -> full CPU tensor of every flat-param slot (collective)."""
     values: dict[tuple[int, str], torch.Tensor] = {}
     for unit in units:
         for flat in unit._flat_params:
-            full = flat.gather_fp32().cpu()
+            if grads and not flat.requires_grad:
+                continue
+            source = flat.shard
+            if grads:
+                source = flat.shard.grad if flat.shard.grad is not None else torch.zeros_like(source)
+            full = flat.gather_fp32(source).cpu()
             for slot in flat.slots:
                 tensor = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
                 for module, attr in slot.locations:
                     values[(id(module), attr)] = tensor
+    return values
+
+
+def full_state_dict(root: FSDPModule) -> dict[str, torch.Tensor]:
+    """Gather every unit's parameters in fp32 (collective: call on every rank)."""
+    units = _check_idle(root, "produce a state dict")
+    values = _gathered_params(units, grads=False)
     sd: dict[str, torch.Tensor] = {}
     for prefix, module in clean_named_modules(root):
         pre = f"{prefix}." if prefix else ""
@@ -93,6 +104,23 @@ def full_state_dict(root: FSDPModule) -> dict[str, torch.Tensor]:
         for name, buf in _persistent_buffers(module):
             sd[pre + name] = buf.detach().to("cpu", dtypes.get(name, buf.dtype)).clone()
     return sd
+
+
+def full_grads(root: FSDPModule) -> dict[str, torch.Tensor]:
+    """Gradients of every trainable parameter, unsharded, keyed like the state dict.
+
+    Collective; for tests and debugging (it materializes every gradient on every rank).
+    Parameters without a gradient this iteration read as zeros.
+    """
+    units = _check_idle(root, "gather gradients")
+    values = _gathered_params(units, grads=True)
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in clean_named_modules(root):
+        pre = f"{prefix}." if prefix else ""
+        for name in _param_names(module):
+            if (id(module), name) in values:
+                out[pre + name] = values[(id(module), name)]
+    return out
 
 
 def _validate(root: FSDPModule, sd: dict[str, Any], strict: bool) -> IncompatibleKeys:

@@ -9,6 +9,7 @@ from torch import nn
 
 from fsdp_lite import collectives
 from fsdp_lite.flat_param import FlatParam, ParamSlot
+from fsdp_lite.state_dict import clean_named_modules
 from fsdp_lite.wrap import unowned_parameters
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def build_flat_params(
     """Flatten the parameters of ``module`` that no nested unit owns, one FlatParam per
     (dtype, requires_grad, compute dtype), and replace them by views of the full buffer."""
     owned = _flattened_by_nested(module)
-    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    names = {id(m): n for n, m in clean_named_modules(module)}
     groups: dict[tuple, list[tuple[ParamSlot, nn.Parameter]]] = {}
     slot_of: dict[int, ParamSlot] = {}
     for sub, attr, p in unowned_parameters(module):

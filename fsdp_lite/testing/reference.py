@@ -1,0 +1,168 @@
+"""Train an FSDPModule beside a single-process reference and compare them.
+
+The reference is a plain copy of the same model with the same seed, trained on the
+*global* batch (every rank's data); each rank feeds FSDP only its own slice. Losses
+are compared every step, parameters at the end. Every rank runs the reference itself,
+so nothing but the model under test is communicated.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_lite.fsdp import FSDPModule
+from fsdp_lite.state_dict import full_grads
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    loss_rtol: float
+    param_atol: float | None = None  # max |p_fsdp - p_ref| (fp32)
+    update_rtol: float | None = None  # ||Δ_fsdp - Δ_ref|| / ||Δ_ref|| (mixed precision)
+    grad_rtol: float = 1e-4  # per parameter ||g_fsdp - g_ref|| / ||g_ref||
+
+
+FP32 = Tolerance(loss_rtol=1e-5, param_atol=1e-5, grad_rtol=1e-4)
+BF16 = Tolerance(loss_rtol=3e-2, update_rtol=0.2, grad_rtol=0.35)
+FP16 = Tolerance(loss_rtol=1e-2, update_rtol=0.1, grad_rtol=0.25)
+
+
+@dataclass
+class Run:
+    """One training comparison. ``batch(step)`` returns the global batch (same on every rank)."""
+
+    name: str
+    make_model: Callable[[], nn.Module]
+    batch: Callable[[int], Batch]
+    loss: Callable[[nn.Module, Batch], torch.Tensor]
+    wrap: Callable[[nn.Module], FSDPModule]
+    tol: Tolerance = FP32
+    steps: int = 5
+    lr: float = 1e-3
+    split_reference: bool = False  # reference runs each rank's slice separately (BatchNorm)
+    accumulate: int = 1  # micro-batches per step; all but the last under no_sync
+    clip: float | None = None
+    clip_norm_type: float = 2.0
+    between_steps: Callable[[nn.Module, nn.Module, int], None] | None = None
+    compare_buffers: bool = True
+    results: dict[str, Any] = field(default_factory=dict)
+
+
+def _slice(batch: Batch, index: int, parts: int) -> Batch:
+    return tuple(t.chunk(parts)[index] for t in batch)  # type: ignore[return-value]
+
+
+def _reference_step(run: Run, ref: nn.Module, micro: Batch, world: int) -> torch.Tensor:
+    if not run.split_reference:
+        return run.loss(ref, micro)
+    return sum(run.loss(ref, _slice(micro, r, world)) for r in range(world)) / world
+
+
+def _mean_over_ranks(x: torch.Tensor) -> float:
+    x = x.detach().float().clone()
+    dist.all_reduce(x)
+    return x.item() / dist.get_world_size()
+
+
+def compare_training(run: Run) -> None:
+    """Train FSDP and the reference side by side; raise AssertionError naming the run on mismatch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234)
+    ref = run.make_model()
+    initial = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    model = run.wrap(copy.deepcopy(ref))
+    # eps=1e-6, not 1e-8: some gradients are zero in exact arithmetic (the key bias of
+    # attention, anything a norm cancels) and rounding noise there would be normalized
+    # by Adam into lr-sized steps that differ between any two summation orders.
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=run.lr, weight_decay=0.1, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=0.1, eps=1e-6)
+    for step in range(run.steps):
+        batch = run.batch(step)
+        ref_loss = fsdp_loss = 0.0
+        for m in range(run.accumulate):
+            micro = _slice(batch, m, run.accumulate)
+            loss = _reference_step(run, ref, micro, world) / run.accumulate
+            loss.backward()
+            ref_loss += loss.item()
+            local = _slice(micro, rank, world)
+            sync = m == run.accumulate - 1
+            ctx = model.no_sync() if not sync else _nullcontext()
+            with ctx:
+                loss = run.loss(model, local) / run.accumulate
+                loss.backward()
+            fsdp_loss += _mean_over_ranks(loss)
+        _check_close(run, f"step {step} loss", fsdp_loss, ref_loss, run.tol.loss_rtol)
+        if run.clip is not None:
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), run.clip, run.clip_norm_type)
+            norm = model.clip_grad_norm_(run.clip, run.clip_norm_type)
+            _check_close(run, f"step {step} grad norm", norm.item(), ref_norm.item(), max(1e-4, run.tol.loss_rtol))
+        _check_grads(run, model, ref, step)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        if run.between_steps is not None:
+            run.between_steps(model, ref, step)
+    _check_params(run, model, ref, initial, world)
+
+
+def _check_grads(run: Run, model: FSDPModule, ref: nn.Module, step: int) -> None:
+    """Unsharded FSDP gradients equal the reference's: catches scale errors Adam would hide."""
+    got = full_grads(model)
+    for name, p in ref.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            if name in got:
+                raise AssertionError(f"[{run.name}] frozen parameter {name} got a gradient")
+            continue
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        err = ((got[name] - want).norm() / want.norm().clamp_min(1e-12)).item()
+        limit = run.tol.grad_rtol
+        if err > limit and (got[name] - want).abs().max() > 1e-7:
+            raise AssertionError(
+                f"[{run.name}] step {step} grad of {name}: relative error {err:.3g} > {limit}"
+            )
+        run.results["max_grad_rel_err"] = max(run.results.get("max_grad_rel_err", 0.0), err)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _check_close(run: Run, what: str, got: float, want: float, rtol: float) -> None:
+    if abs(got - want) > rtol * max(abs(want), 1e-8):
+        raise AssertionError(f"[{run.name}] {what}: fsdp {got:.8g} vs reference {want:.8g} (rtol {rtol})")
+
+
+def _check_params(run: Run, model: FSDPModule, ref: nn.Module, initial: dict, world: int) -> None:
+    got, want = model.state_dict(), ref.state_dict()
+    if list(got) != list(want):
+        raise AssertionError(f"[{run.name}] state dict keys differ: {list(got)} vs {list(want)}")
+    params = {n for n, _ in ref.named_parameters(remove_duplicate=False)}
+    keys = [k for k in want if k in params or (run.compare_buffers and world == 1)]
+    if run.tol.param_atol is not None:
+        worst = max(keys, key=lambda k: (got[k].float() - want[k].float()).abs().max().item())
+        diff = (got[worst].float() - want[worst].float()).abs().max().item()
+        run.results["max_param_diff"] = diff
+        if diff > run.tol.param_atol:
+            raise AssertionError(f"[{run.name}] parameter {worst} differs by {diff:.3g}")
+    if run.tol.update_rtol is not None:
+        keys = [k for k in keys if k in params]
+        d_got = torch.cat([(got[k] - initial[k]).flatten().float() for k in keys])
+        d_want = torch.cat([(want[k] - initial[k]).flatten().float() for k in keys])
+        rel = ((d_got - d_want).norm() / d_want.norm()).item()
+        run.results["update_rel_err"] = rel
+        if not d_want.norm() > 0 or rel > run.tol.update_rtol:
+            raise AssertionError(f"[{run.name}] parameter updates differ: relative error {rel:.3g}")
