@@ -136,3 +136,26 @@ def broadcast(tensor: torch.Tensor, group: ProcessGroup, src_rank: int = 0) -> N
     _record("broadcast", tensor)
     dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)
 
+
+
+def barrier(group: ProcessGroup) -> None:
+    if world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def broadcast_object(obj: object, group: ProcessGroup, src_rank: int = 0) -> object:
+    """Rank ``src_rank``'s picklable ``obj`` on every rank of ``group``."""
+    if world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src_rank), group=group)
+    return box[0]
+
+
+def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
+    """Every rank's picklable ``obj``, in group rank order."""
+    if world_size(group) == 1:
+        return [obj]
+    out: list[object] = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -175,21 +175,57 @@ class FSDPModule(nn.Module):
             g.mul_(coef.to(g.dtype))
         return total
 
-    def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False):
+    def state_dict(
+        self,
+        *args: Any,
+        destination=None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        rank0_only: bool = False,
+    ):
         """The full, unsharded state dict with the original module's keys, fp32, on CPU.
 
-        Every rank must call it (it all-gathers); every rank receives the whole dict.
+        Every rank must call it (it all-gathers). With ``rank0_only`` only rank 0
+        receives the dict (others get ``{}``).
         """
-        sd = _state_dict.full_state_dict(self)
+        sd = _state_dict.full_state_dict(self, rank0_only=rank0_only)
         if destination is None:
             return {prefix + k: v for k, v in sd.items()} if prefix else sd
         for k, v in sd.items():
             destination[prefix + k] = v
         return destination
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
-        """Load a full state dict (as from ``state_dict()`` or from the unwrapped module)."""
-        return _state_dict.load_full_state_dict(self, state_dict, strict=strict)
+    def load_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        strict: bool = True,
+        assign: bool = False,
+        *,
+        rank0_only: bool = False,
+    ):
+        """Load a full state dict (as from ``state_dict()`` or from the unwrapped module).
+
+        With ``rank0_only`` only rank 0 needs the dict; other ranks may pass ``{}``.
+        """
+        return _state_dict.load_full_state_dict(
+            self, state_dict, strict=strict, rank0_only=rank0_only
+        )
+
+    def summon_full_params(
+        self,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        recurse: bool = True,
+    ) -> contextlib.AbstractContextManager[None]:
+        """Context: the module's parameters are full fp32 tensors under their original names."""
+        return _state_dict.summon_full_params(
+            self,
+            writeback=writeback,
+            rank0_only=rank0_only,
+            offload_to_cpu=offload_to_cpu,
+            recurse=recurse,
+        )
 
     def __getattr__(self, name: str) -> Any:
         try:

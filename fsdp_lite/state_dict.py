@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fsdp_lite import collectives
 from fsdp_lite.state import TrainingState, check_state
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ def _gathered_params(units: list[FSDPModule], grads: bool) -> dict[tuple[int, st
     return values
 
 
-def full_state_dict(root: FSDPModule) -> dict[str, torch.Tensor]:
+def full_state_dict(root: FSDPModule, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Gather every unit's parameters in fp32 (collective: call on every rank)."""
     units = _check_idle(root, "produce a state dict")
     values = _gathered_params(units, grads=False)
@@ -103,6 +104,8 @@ def full_state_dict(root: FSDPModule) -> dict[str, torch.Tensor]:
         dtypes = module.__dict__.get("_fsdp_lite_buffer_dtypes", {})
         for name, buf in _persistent_buffers(module):
             sd[pre + name] = buf.detach().to("cpu", dtypes.get(name, buf.dtype)).clone()
+    if rank0_only and collectives.rank(root.process_group) != 0:
+        return {}
     return sd
 
 
@@ -150,9 +153,13 @@ def _validate(root: FSDPModule, sd: dict[str, Any], strict: bool) -> Incompatibl
 
 
 @torch.no_grad()
-def load_full_state_dict(root: FSDPModule, sd: dict[str, Any], strict: bool = True) -> IncompatibleKeys:
+def load_full_state_dict(
+    root: FSDPModule, sd: dict[str, Any], strict: bool = True, rank0_only: bool = False
+) -> IncompatibleKeys:
     """Load a full state dict present on every rank into the shards (no communication)."""
     units = _check_idle(root, "load a state dict")
+    if rank0_only:
+        sd = collectives.broadcast_object(sd, root.process_group)
     result = _validate(root, sd, strict)
     keys = {id(m): (f"{p}." if p else "") for p, m in clean_named_modules(root)}
     for unit in units:
@@ -185,3 +192,7 @@ def _find_key(sd: dict[str, Any], keys: dict[int, str], locations) -> str | None
         if key in sd:
             return key
     return None
+
+
+def summon_full_params(root: FSDPModule, **options: Any):
+    raise NotImplementedError("summon_full_params: issue 4, in progress")
