@@ -1,0 +1,30 @@
+# Developer and CI entry points. `make train` and `make test` create .venv on first use.
+#   make train [CONFIG=configs/gpu_small.yaml] [NPROC=2] [ARGS='--set train.steps=100']
+PYTHON ?= python3
+NPROC ?= 2
+CONFIG ?= configs/tiny.yaml
+ARGS ?=
+
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv train test lint
+
+venv: $(STAMP)
+
+# torch is pinned and installed first: left to the resolver, it pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev]'
+	touch $@
+
+train: venv
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train.py --config $(CONFIG) $(ARGS)
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+lint: venv
+	$(BIN)/ruff check fsdp_lite tests scripts
