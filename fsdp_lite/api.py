@@ -58,3 +58,28 @@ class MixedPrecision:
     @property
     def effective_reduce_dtype(self) -> torch.dtype:
         return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """Which all-gathers a unit issues ahead of time, from the order recorded on the first pass.
+
+    Args:
+        forward: when a unit starts its forward, gather the next units in forward order.
+        backward: when a unit's backward starts, gather the next units in backward order
+            (before this unit's reduce-scatter is issued).
+        max_in_flight: how many units ahead to gather. Bounds memory: at most
+            ``max_in_flight + 1`` units (plus enclosing units such as the root) hold full
+            parameters at once.
+    """
+
+    forward: bool = True
+    backward: bool = True
+    max_in_flight: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise ValueError(
+                f"PrefetchPolicy.max_in_flight must be an int >= 1, got {self.max_in_flight!r}; "
+                "pass prefetch=None to FSDPModule to turn prefetching off"
+            )

@@ -2,18 +2,21 @@
 
 Everything that talks to other ranks goes through the free functions here, which
 take everything they need as arguments. They count calls and bytes per collective
-(see :func:`comm_stats`), short-circuit world size 1 (no communication), and are
+(see ``accounting.py``), short-circuit world size 1 (no communication), and are
 the seam tests patch to observe what crosses the wire.
 """
 
 from __future__ import annotations
 
 import os
-from collections import defaultdict
-from dataclasses import dataclass, field
+import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from fsdp_lite import accounting
+from fsdp_lite.accounting import comm_stats, reset_comm_stats  # noqa: F401 - re-exported
 
 ProcessGroup = dist.ProcessGroup
 
@@ -22,47 +25,30 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass
-class OpStats:
-    """Counters for one kind of collective, as seen by this rank."""
+class Handle:
+    """An in-flight collective. ``wait()`` blocks (gloo) or makes the current CUDA stream
+    wait (NCCL) until it is done, and records the time it was exposed."""
 
-    calls: int = 0
-    bytes: int = 0  # size of the full (unsharded) buffer the collective spans, per call
-    dtypes: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # dtype -> calls
+    def __init__(self, work: Any, unit: str | None, device: torch.device) -> None:
+        self.work = work
+        self.unit = unit
+        self.device = device
 
-
-_STATS: dict[str, OpStats] = defaultdict(OpStats)
-
-
-def comm_stats() -> dict[str, dict]:
-    """Calls and bytes per collective on this rank since the last :func:`reset_comm_stats`.
-
-    ``bytes`` is the size of the full buffer each collective spans (for an all-gather
-    the gathered output, for a reduce-scatter its input); a ring implementation sends
-    (W-1)/W of it per rank. World size 1 moves nothing and is not counted.
-    """
-    return {
-        op: {"calls": s.calls, "bytes": s.bytes, "dtypes": dict(s.dtypes)}
-        for op, s in _STATS.items()
-    }
-
-
-def reset_comm_stats() -> None:
-    _STATS.clear()
-
-
-def _record(op: str, tensor: torch.Tensor) -> None:
-    s = _STATS[op]
-    s.calls += 1
-    s.bytes += tensor.numel() * tensor.element_size()
-    s.dtypes[str(tensor.dtype).removeprefix("torch.")] += 1
-
-
-class _DoneWork:
-    """Stands in for an async work handle when nothing was communicated."""
-
-    def wait(self) -> bool:
-        return True
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.work.wait()
+            end.record()
+            accounting.record_cuda_wait(self.unit, start, end)
+        else:
+            t0 = time.perf_counter()
+            self.work.wait()
+            accounting.record_wait(self.unit, time.perf_counter() - t0)
+        self.work = None
 
 
 def require_initialized(what: str = "fsdp_lite.FSDPModule") -> None:
@@ -98,34 +84,52 @@ def default_device(device: torch.device | str | int | None) -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup) -> None:
-    """Gather every rank's equal-sized 1-D ``shard`` into ``output`` (rank order)."""
+def all_gather_flat(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: ProcessGroup,
+    *,
+    async_op: bool = False,
+    unit: str | None = None,
+) -> Handle:
+    """Gather every rank's equal-sized 1-D ``shard`` into ``output`` (rank order).
+
+    With ``async_op`` the result is valid only after the returned handle's ``wait()``;
+    keep ``shard`` alive until then.
+    """
     if world_size(group) == 1:
         output.copy_(shard)
-        return
-    _record("all_gather", output)
-    _all_gather_flat(output, shard, group=group)
+        return Handle(None, unit, output.device)
+    accounting.record_collective("all_gather", output, unit)
+    work = _all_gather_flat(output, shard, group=group, async_op=True)
+    handle = Handle(work, unit, output.device)
+    if not async_op:
+        handle.wait()
+    return handle
 
 
-def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group: ProcessGroup):
+def reduce_scatter_flat(
+    output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, *, unit: str | None = None
+) -> Handle:
     """Sum ``full`` over ranks and leave rank r's contiguous 1/W slice in ``output``.
 
     Worked example, W=2, each rank holding full = [a0, a1, a2, a3] / [b0, b1, b2, b3]:
-    rank 0 ends with [a0+b0, a1+b1], rank 1 with [a2+b2, a3+b3]. Returns an async
-    work handle; ``output`` is valid only after ``.wait()``.
+    rank 0 ends with [a0+b0, a1+b1], rank 1 with [a2+b2, a3+b3]. Asynchronous: ``output``
+    is valid only after the returned handle's ``wait()``; keep ``full`` alive until then.
     """
     if world_size(group) == 1:
         output.copy_(full)
-        return _DoneWork()
-    _record("reduce_scatter", full)
-    return _reduce_scatter_flat(output, full, group=group, async_op=True)
+        return Handle(None, unit, output.device)
+    accounting.record_collective("reduce_scatter", full, unit)
+    work = _reduce_scatter_flat(output, full, group=group, async_op=True)
+    return Handle(work, unit, output.device)
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op: str = "sum") -> None:
     """In-place all-reduce with ``op`` in {"sum", "max"}."""
     if world_size(group) == 1:
         return
-    _record("all_reduce", tensor)
+    accounting.record_collective("all_reduce", tensor, None)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
 
 
@@ -133,7 +137,7 @@ def broadcast(tensor: torch.Tensor, group: ProcessGroup, src_rank: int = 0) -> N
     """In-place broadcast from the group's rank ``src_rank``."""
     if world_size(group) == 1:
         return
-    _record("broadcast", tensor)
+    accounting.record_collective("broadcast", tensor, None)
     dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)
 
 
@@ -159,3 +163,8 @@ def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
     out: list[object] = [None] * world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def global_ranks(group: ProcessGroup) -> list[int]:
+    """The global rank of each of ``group``'s ranks, in group rank order (no communication)."""
+    return [dist.get_global_rank(group, r) for r in range(world_size(group))]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_lite import collectives
+from fsdp_lite import accounting, collectives
 
 
 @dataclass
@@ -79,6 +79,12 @@ class FlatParam:
         self.full.requires_grad_(self.requires_grad)
         # fp32 sum of gradients kept unreduced under no_sync.  shape: (padded_numel,)
         self.unsharded_grad: torch.Tensor | None = None
+        # An all-gather in flight into full_data, and its send buffer (kept alive until done).
+        self._gather: collectives.Handle | None = None
+        self._gather_send: torch.Tensor | None = None
+        # Accounting: the owning unit's name (set at lazy init) and identity.
+        self.unit_name: str | None = None
+        self.unit_key = 0
 
     # -- storage -----------------------------------------------------------------
 
@@ -90,19 +96,38 @@ class FlatParam:
     def full_nbytes(self) -> int:
         return self.padded_numel * self.full_data.element_size()
 
-    def unshard(self) -> None:
-        """Cast the shard to the compute dtype and all-gather it into the full buffer."""
+    def unshard(self, async_op: bool = False) -> None:
+        """Cast the shard to the compute dtype and all-gather it into the full buffer.
+
+        With ``async_op`` the gather is only issued (a prefetch); :meth:`wait_unshard`
+        completes it. A no-op when the full buffer is already allocated or in flight.
+        """
         if self.is_unsharded:
+            if not async_op:
+                self.wait_unshard()
             return
         self.full_data.untyped_storage().resize_(self.full_nbytes)
+        accounting.full_allocated(id(self), self.unit_key, self.full_nbytes)
         with torch.no_grad():
-            shard = self.shard.detach().to(self.compute_dtype)
-            collectives.all_gather_flat(self.full_data, shard, self.group)
+            send = self.shard.detach().to(self.compute_dtype)
+            self._gather = collectives.all_gather_flat(
+                self.full_data, send, self.group, async_op=True, unit=self.unit_name
+            )
+        self._gather_send = send
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = self._gather_send = None
 
     def reshard(self) -> None:
         """Free the full buffer's storage (views stay valid objects, pointing at nothing)."""
         if self.is_unsharded:
+            self.wait_unshard()  # never free memory a collective is still writing
             self.full_data.untyped_storage().resize_(0)
+            accounting.full_freed(id(self), self.unit_key)
 
     def gather_fp32(self, source: torch.Tensor | None = None) -> torch.Tensor:
         """A new unpadded full copy of ``source`` (default: the master shard) from every rank.
@@ -156,7 +181,7 @@ class FlatParam:
             grad = grad.to(reduce_dtype)
             grad.div_(self.world_size)
             out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
-            work = collectives.reduce_scatter_flat(out, grad, self.group)
+            work = collectives.reduce_scatter_flat(out, grad, self.group, unit=self.unit_name)
         return PendingGrad(self, work, out, grad)
 
 
@@ -165,7 +190,7 @@ class PendingGrad:
     """A reduce-scatter in flight; ``finish`` adds its result to the shard's fp32 grad."""
 
     flat: FlatParam
-    work: object  # async work handle
+    work: collectives.Handle
     out: torch.Tensor  # (shard_numel,) in reduce dtype
     send: torch.Tensor  # the input, kept alive until the collective completes
 

@@ -16,7 +16,7 @@ from torch.autograd.profiler import record_function
 
 from fsdp_lite import collectives, runtime
 from fsdp_lite import state_dict as _state_dict
-from fsdp_lite.api import MixedPrecision
+from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.flat_param import FlatParam
 from fsdp_lite.state import TrainingState, check_state
 from fsdp_lite.unit_init import build_flat_params, prepare_buffers, region_modules
@@ -43,10 +43,13 @@ class FSDPModule(nn.Module):
             units go to the lowest unit that contains every use.
         reshard_after_forward: free the full parameters after forward and re-gather them
             in backward (``False`` keeps them until the end of backward: less
-            communication, more memory).
+            communication, more memory). ``None`` (default): ``True`` for every unit but
+            the root, whose parameters backward needs first.
         mixed_precision: compute and communication dtypes (``None``: everything fp32).
         sync_module_states: broadcast parameters and buffers from rank 0 at wrap time.
         device: compute device; default ``cuda:LOCAL_RANK`` if CUDA is available, else cpu.
+        prefetch: which all-gathers to issue ahead (see ``PrefetchPolicy``); ``None`` turns
+            prefetching off. The root's policy applies to its whole tree.
     """
 
     def __init__(
@@ -54,10 +57,11 @@ class FSDPModule(nn.Module):
         module: nn.Module,
         process_group: collectives.ProcessGroup | None = None,
         auto_wrap_policy: Policy | None = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         mixed_precision: MixedPrecision | None = None,
         sync_module_states: bool = False,
         device: torch.device | str | int | None = None,
+        prefetch: PrefetchPolicy | None = PrefetchPolicy(),
         *,
         _defer_params: frozenset[int] = frozenset(),
     ) -> None:
@@ -67,8 +71,12 @@ class FSDPModule(nn.Module):
         self.module = module
         self.process_group = collectives.resolve_group(process_group)
         self.device = collectives.default_device(device)
-        self.reshard_after_forward = reshard_after_forward
+        self._reshard_after_forward_arg = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward is not False  # resolved at lazy init
         self.mixed_precision = mixed_precision
+        if prefetch is not None and not isinstance(prefetch, PrefetchPolicy):
+            raise TypeError(f"prefetch must be fsdp_lite.PrefetchPolicy or None, got {prefetch!r}")
+        self.prefetch = prefetch
         if auto_wrap_policy is not None:
             make_unit = functools.partial(
                 _wrap_child,
@@ -77,6 +85,7 @@ class FSDPModule(nn.Module):
                 mixed_precision=mixed_precision,
                 sync_module_states=sync_module_states,
                 device=self.device,
+                prefetch=prefetch,
             )
             apply_policy(module, auto_wrap_policy, make_unit)
         self._unit_name = type(module).__name__  # refined to the module path at lazy init
@@ -114,14 +123,20 @@ class FSDPModule(nn.Module):
             self._use_full_params()
             return self.module(*args, **kwargs)
         check_state(self._unit_name, self._state, TrainingState.IDLE, doing="run forward")
+        ctx = self._ctx
+        if self._is_root:
+            ctx.forward_order.start()
         with record_function("fsdp_lite::unshard"):
             self._state = TrainingState.FORWARD
+            runtime.unshard_with_prefetch(self, backward=False)
             self._use_full_params()
         try:
             output = self.module(*args, **kwargs)
         except BaseException:
             self._reshard()
             self._state = TrainingState.IDLE
+            if self._is_root:
+                runtime.end_of_root_forward(ctx)
             raise
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
@@ -129,6 +144,8 @@ class FSDPModule(nn.Module):
         if self.reshard_after_forward or not grad_enabled:
             self._reshard()
         self._state = TrainingState.IDLE
+        if self._is_root:
+            runtime.end_of_root_forward(ctx)
         return output
 
     @contextlib.contextmanager
@@ -166,8 +183,8 @@ class FSDPModule(nn.Module):
                 total = torch.maximum(total, g.abs().max().float())
             collectives.all_reduce(total, self.process_group, op="max")
         else:
-            for g in grads:
-                total += g.float().norm(norm_type) ** norm_type
+            for g in grads:  # sum of |g|^p: fp32 norm() over millions of elements drifts
+                total += g.float().abs().pow(norm_type).sum()
             collectives.all_reduce(total, self.process_group, op="sum")
             total = total ** (1.0 / norm_type)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
@@ -243,18 +260,39 @@ class FSDPModule(nn.Module):
         if self._ctx is not None:
             return
         units = self._units()
-        ctx = runtime.RootContext(units=units)
+        ctx = runtime.RootContext(units=units, prefetch=self.prefetch)
         names = {id(m): n for n, m in _state_dict.clean_named_modules(self)}
         for unit in units:
             unit._is_root = unit is self
             unit._ctx = ctx
             path = names.get(id(unit.module), "")
             unit._unit_name = path or f"<root {type(unit.module).__name__}>"
+            if unit._reshard_after_forward_arg is None:
+                unit.reshard_after_forward = not unit._is_root
+            for flat in unit._flat_params:
+                flat.unit_name, flat.unit_key = unit._unit_name, id(unit)
 
     def _use_full_params(self) -> None:
         for flat in self._flat_params:
             flat.unshard()
             flat.use_full_views()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds for the whole tree: shards, shard grads, full params now,
+        and the largest unit's full params (what one gather allocates)."""
+        flats = [f for u in self._units() for f in u._flat_params]
+        return {
+            "shard_bytes": sum(f.shard.numel() * f.shard.element_size() for f in flats),
+            "grad_bytes": sum(
+                f.shard.grad.numel() * f.shard.grad.element_size()
+                for f in flats
+                if f.shard.grad is not None
+            ),
+            "full_bytes_now": sum(f.full_nbytes for f in flats if f.is_unsharded),
+            "largest_unit_full_bytes": max(
+                (sum(f.full_nbytes for f in u._flat_params) for u in self._units()), default=0
+            ),
+        }
 
     def _reshard(self) -> None:
         for flat in self._flat_params:

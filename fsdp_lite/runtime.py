@@ -15,6 +15,7 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fsdp_lite.api import PrefetchPolicy
 from fsdp_lite.flat_param import FlatParam, PendingGrad
 from fsdp_lite.state import TrainingState, check_state
 
@@ -23,12 +24,86 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class ExecOrder:
+    """The order units ran in on the first pass; later passes prefetch along it.
+
+    A pass that strays from the recorded order (data-dependent control flow) stops
+    prefetching for the rest of that pass rather than gather the wrong unit.
+    """
+
+    recorded: list[FSDPModule] | None = None  # frozen after the first pass
+    recording: list[FSDPModule] = field(default_factory=list)
+    cursor: int = 0  # position of the next expected unit in this pass
+    on_track: bool = False
+
+    def start(self) -> None:
+        self.cursor = 0
+        self.on_track = self.recorded is not None
+
+    def visit(self, unit: FSDPModule, ahead: int) -> list[FSDPModule]:
+        """Note that ``unit`` runs now; return the ``ahead`` units expected next."""
+        if self.recorded is None:
+            self.recording.append(unit)
+            return []
+        if not self.on_track:
+            return []
+        if self.cursor < len(self.recorded) and self.recorded[self.cursor] is unit:
+            self.cursor += 1
+            return self.recorded[self.cursor : self.cursor + ahead]
+        self.on_track = False
+        return []
+
+    def freeze(self) -> None:
+        if self.recorded is None:
+            self.recorded, self.recording = self.recording, []
+
+
+@dataclass
 class RootContext:
     """What the root owns for every unit of its tree, shared by reference."""
 
     units: list[FSDPModule]  # every unit in the root's tree, root first
+    prefetch: PrefetchPolicy | None  # the root's policy applies to the whole tree
     callback_queued: bool = False  # the end-of-backward callback of this backward
     pending: list[PendingGrad] = field(default_factory=list)  # reduce-scatters in flight
+    forward_order: ExecOrder = field(default_factory=ExecOrder)
+    backward_order: ExecOrder = field(default_factory=ExecOrder)
+    prefetched: set[FSDPModule] = field(default_factory=set)  # gathered ahead, not yet run
+
+    def next_units(self, unit: FSDPModule, backward: bool) -> list[FSDPModule]:
+        """Record ``unit`` in this pass's order and return the units to prefetch now."""
+        order = self.backward_order if backward else self.forward_order
+        policy = self.prefetch
+        ahead = policy.max_in_flight if policy is not None else 0
+        targets = order.visit(unit, ahead)
+        if policy is None or not (policy.backward if backward else policy.forward):
+            return []
+        return [u for u in targets if u is not unit]
+
+
+def unshard_with_prefetch(unit: FSDPModule, backward: bool) -> None:
+    """Issue ``unit``'s gather, then the next units' gathers, then wait for ``unit``'s own."""
+    ctx = unit._ctx
+    ctx.prefetched.discard(unit)
+    for flat in unit._flat_params:
+        flat.unshard(async_op=True)
+    for other in ctx.next_units(unit, backward):
+        if backward and other._state is not TrainingState.IDLE:
+            continue  # its backward already ran
+        ctx.prefetched.add(other)
+        for flat in other._flat_params:
+            flat.unshard(async_op=True)
+    for flat in unit._flat_params:
+        flat.wait_unshard()
+
+
+def end_of_root_forward(ctx: RootContext) -> None:
+    """Freeze the forward order after the first pass; free gathers nobody used."""
+    ctx.forward_order.freeze()
+    for unit in ctx.prefetched:
+        if unit._state is TrainingState.IDLE:
+            unit._reshard()
+    ctx.prefetched.clear()
 
 
 def in_backward() -> bool:
@@ -64,6 +139,7 @@ def pre_backward(unit: FSDPModule) -> None:
     ctx = unit._ctx
     if not ctx.callback_queued:
         ctx.callback_queued = True
+        ctx.backward_order.start()
         torch.autograd.Variable._execution_engine.queue_callback(
             functools.partial(finish_backward, ctx)
         )
@@ -71,8 +147,7 @@ def pre_backward(unit: FSDPModule) -> None:
         return
     with record_function("fsdp_lite::pre_backward"):
         unit._state = TrainingState.PRE_BACKWARD
-        for flat in unit._flat_params:
-            flat.unshard()
+        unshard_with_prefetch(unit, backward=True)
 
 
 def post_backward(unit: FSDPModule, flat: FlatParam) -> None:
@@ -106,7 +181,8 @@ def finish_backward(ctx: RootContext) -> None:
             pending.finish()
         ctx.pending.clear()
         for unit in ctx.units:
-            for flat in unit._flat_params:
-                flat.reshard()
+            unit._reshard()
             unit._state = TrainingState.IDLE
+        ctx.prefetched.clear()
+        ctx.backward_order.freeze()
         ctx.callback_queued = False

@@ -1,0 +1,133 @@
+"""Accounting: what this rank communicated, waited for, and allocated for full parameters.
+
+Collectives report here (``collectives.py``), flat params report their full-buffer
+allocations (``flat_param.py``); users read it all through :func:`stats`, per unit and
+in total, and call :func:`reset_stats` once per step to get per-step figures.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0  # size of the full (unsharded) buffer each call spans
+    dtypes: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # dtype -> calls
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls, "bytes": self.bytes, "dtypes": dict(self.dtypes)}
+
+
+@dataclass
+class _Recorder:
+    ops: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+    unit_ops: dict[str, dict[str, OpStats]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(OpStats))
+    )
+    unit_exposed_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    exposed_s: float = 0.0
+    cuda_waits: list[tuple[str, Any, Any]] = field(default_factory=list)  # (unit, start, end)
+    # Full-buffer allocations live across resets: owner key -> bytes now.
+    allocated: dict[int, int] = field(default_factory=dict)
+    full_bytes_peak: int = 0
+    unsharded_units_peak: int = 0
+    _owners: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # unit -> live flats
+
+
+_REC = _Recorder()
+
+
+def record_collective(op: str, tensor: torch.Tensor, unit: str | None) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    for s in (_REC.ops[op], _REC.unit_ops[unit or "<none>"][op]):
+        s.calls += 1
+        s.bytes += nbytes
+        s.dtypes[dtype] += 1
+
+
+def record_wait(unit: str | None, seconds: float) -> None:
+    """Time this rank blocked on a collective that had not finished: exposed communication."""
+    _REC.exposed_s += seconds
+    _REC.unit_exposed_s[unit or "<none>"] += seconds
+
+
+def record_cuda_wait(unit: str | None, start: Any, end: Any) -> None:
+    """A CUDA stream stall between two events, resolved lazily when stats are read."""
+    _REC.cuda_waits.append((unit, start, end))
+
+
+def full_allocated(flat_key: int, unit_key: int, nbytes: int) -> None:
+    _REC.allocated[flat_key] = nbytes
+    _REC._owners[unit_key] += 1
+    _REC.full_bytes_peak = max(_REC.full_bytes_peak, sum(_REC.allocated.values()))
+    live_units = sum(1 for n in _REC._owners.values() if n > 0)
+    _REC.unsharded_units_peak = max(_REC.unsharded_units_peak, live_units)
+
+
+def full_freed(flat_key: int, unit_key: int) -> None:
+    if _REC.allocated.pop(flat_key, None) is not None:
+        _REC._owners[unit_key] -= 1
+
+
+def _resolve_cuda_waits() -> None:
+    for unit, start, end in _REC.cuda_waits:
+        end.synchronize()
+        record_wait(unit, start.elapsed_time(end) / 1e3)
+    _REC.cuda_waits.clear()
+
+
+def stats() -> dict[str, Any]:
+    """Everything recorded on this rank since the last :func:`reset_stats`.
+
+    - ``collectives``: per op, calls, bytes (the full buffer each call spans; a ring
+      sends (W-1)/W of it) and dtypes. World size 1 communicates nothing.
+    - ``units``: the same per unit (by module path), plus ``exposed_s``.
+    - ``exposed_s``: seconds this rank waited on communication that compute had not
+      hidden (CPU blocking time; on CUDA the compute stream's stall).
+    - ``full_bytes_now`` / ``full_bytes_peak``: bytes of gathered full parameters
+      allocated now / at the peak; ``unsharded_units_peak``: most units holding full
+      parameters at once.
+    """
+    _resolve_cuda_waits()
+    units = {
+        name: {
+            **{op: s.as_dict() for op, s in ops.items()},
+            "exposed_s": _REC.unit_exposed_s.get(name, 0.0),
+        }
+        for name, ops in _REC.unit_ops.items()
+    }
+    return {
+        "collectives": {op: s.as_dict() for op, s in _REC.ops.items()},
+        "units": units,
+        "exposed_s": _REC.exposed_s,
+        "full_bytes_now": sum(_REC.allocated.values()),
+        "full_bytes_peak": _REC.full_bytes_peak,
+        "unsharded_units_peak": _REC.unsharded_units_peak,
+    }
+
+
+def reset_stats() -> None:
+    """Start a new accounting period (e.g. a step); live allocations carry over."""
+    _resolve_cuda_waits()
+    _REC.ops.clear()
+    _REC.unit_ops.clear()
+    _REC.unit_exposed_s.clear()
+    _REC.exposed_s = 0.0
+    _REC.full_bytes_peak = sum(_REC.allocated.values())
+    _REC.unsharded_units_peak = sum(1 for n in _REC._owners.values() if n > 0)
+
+
+def comm_stats() -> dict[str, dict[str, Any]]:
+    """Calls, bytes and dtypes per collective since the last reset (see :func:`stats`)."""
+    return {op: s.as_dict() for op, s in _REC.ops.items()}
+
+
+def reset_comm_stats() -> None:
+    reset_stats()
