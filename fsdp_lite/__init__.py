@@ -1,8 +1,8 @@
 """fsdp_lite: fully sharded data parallel training for PyTorch, in a few small files."""
 
 from fsdp_lite import wrap
-from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.accounting import comm_stats, reset_comm_stats, reset_stats, stats
+from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.fsdp import FSDPModule
 from fsdp_lite.state import FSDPStateError, TrainingState
 

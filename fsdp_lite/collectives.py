@@ -75,7 +75,9 @@ def world_size(group: ProcessGroup) -> int:
 def default_device(device: torch.device | str | int | None) -> torch.device:
     """The compute device: the one given, else cuda:LOCAL_RANK if CUDA is available, else cpu."""
     if device is not None:
-        device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        device = (
+            torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
@@ -139,7 +141,6 @@ def broadcast(tensor: torch.Tensor, group: ProcessGroup, src_rank: int = 0) -> N
         return
     accounting.record_collective("broadcast", tensor, None)
     dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)
-
 
 
 def barrier(group: ProcessGroup) -> None:

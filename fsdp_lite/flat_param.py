@@ -61,7 +61,7 @@ class FlatParam:
         dtype = originals[0].dtype
         with torch.no_grad():
             flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
-            for slot, p in zip(slots, originals):
+            for slot, p in zip(slots, originals, strict=True):
                 flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
             if sync:  # sync_module_states: every rank starts from rank 0's values
                 collectives.broadcast(flat, group)

@@ -22,6 +22,8 @@ from fsdp_lite.state import TrainingState, check_state
 from fsdp_lite.unit_init import build_flat_params, prepare_buffers, region_modules
 from fsdp_lite.wrap import Policy, apply_policy
 
+DEFAULT_PREFETCH = PrefetchPolicy()
+
 
 class FSDPModule(nn.Module):
     """Shard ``module``'s parameters across the ranks of ``process_group``.
@@ -61,7 +63,7 @@ class FSDPModule(nn.Module):
         mixed_precision: MixedPrecision | None = None,
         sync_module_states: bool = False,
         device: torch.device | str | int | None = None,
-        prefetch: PrefetchPolicy | None = PrefetchPolicy(),
+        prefetch: PrefetchPolicy | None = DEFAULT_PREFETCH,
         *,
         _defer_params: frozenset[int] = frozenset(),
     ) -> None:
@@ -202,8 +204,12 @@ class FSDPModule(nn.Module):
     ):
         """The full, unsharded state dict with the original module's keys, fp32, on CPU.
 
-        Every rank must call it (it all-gathers). With ``rank0_only`` only rank 0
-        receives the dict (others get ``{}``).
+        Every rank must call it: it all-gathers one flat param at a time, copies it to
+        CPU and frees it before the next, so no rank holds more than one unit's full
+        parameters on the device. With ``rank0_only=True`` only rank 0 keeps the copies
+        and returns the dict; other ranks get ``{}`` and stay within one flat param of
+        their sharded footprint (use it for large models). Loads into the unwrapped
+        module and back (``load_state_dict``).
         """
         sd = _state_dict.full_state_dict(self, rank0_only=rank0_only)
         if destination is None:
@@ -222,7 +228,12 @@ class FSDPModule(nn.Module):
     ):
         """Load a full state dict (as from ``state_dict()`` or from the unwrapped module).
 
-        With ``rank0_only`` only rank 0 needs the dict; other ranks may pass ``{}``.
+        ``strict`` as in ``nn.Module``: missing or unexpected keys raise unless it is
+        ``False``; wrong shapes always raise; on an error nothing is loaded and every rank
+        raises. With ``rank0_only=True`` only rank 0's dict is read (others may pass
+        ``{}``): it is broadcast one flat param at a time, so no rank holds the full model.
+        ``assign`` is accepted for signature compatibility and ignored (shards are
+        always copied into in place, so optimizers stay valid).
         """
         return _state_dict.load_full_state_dict(
             self, state_dict, strict=strict, rank0_only=rank0_only
@@ -235,8 +246,20 @@ class FSDPModule(nn.Module):
         offload_to_cpu: bool = False,
         recurse: bool = True,
     ) -> contextlib.AbstractContextManager[None]:
-        """Context: the module's parameters are full fp32 tensors under their original names."""
-        return _state_dict.summon_full_params(
+        """Context: the module's parameters are full fp32 ``nn.Parameter``s under their
+        original names and shapes (``named_parameters()``, EMA, custom init work inside).
+
+        Collective on entry (every rank gathers). ``writeback``: edits made inside persist
+        in the shards after exit. ``rank0_only``: only rank 0 sees the full parameters
+        (others see the module unchanged; needs ``writeback=False``). ``offload_to_cpu``:
+        the full copies live on CPU. ``recurse=False``: only this unit's own parameters,
+        not those of nested units. Units are in ``TrainingState.SUMMON_FULL_PARAMS``
+        inside (forward is refused); on exit the full copies are dropped, so memory is
+        back to the sharded footprint once nothing else references them.
+        """
+        from fsdp_lite.summon import summon_full_params
+
+        return summon_full_params(
             self,
             writeback=writeback,
             rank0_only=rank0_only,

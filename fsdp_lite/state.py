@@ -21,7 +21,9 @@ class FSDPStateError(RuntimeError):
     """A unit was asked to do something its current TrainingState does not allow."""
 
 
-def check_state(unit_name: str, actual: TrainingState, *expected: TrainingState, doing: str) -> None:
+def check_state(
+    unit_name: str, actual: TrainingState, *expected: TrainingState, doing: str
+) -> None:
     """Raise FSDPStateError naming the unit, its state and the states that were expected."""
     if actual in expected:
         return

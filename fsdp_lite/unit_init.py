@@ -80,7 +80,10 @@ def build_flat_params(
                 "lowest unit that contains every use, or wrap a common ancestor instead"
             )
         if not p.is_floating_point():
-            raise TypeError(f"parameter '{name}' has dtype {p.dtype}: fsdp_lite shards floating-point parameters only")
+            raise TypeError(
+                f"parameter '{name}' has dtype {p.dtype}: fsdp_lite shards floating-point "
+                "parameters only; register it as a buffer instead"
+            )
         if id(p) in slot_of:  # a tie inside this unit: one slot, several locations
             slot_of[id(p)].locations.append((sub, attr))
             continue

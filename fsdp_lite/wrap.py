@@ -55,14 +55,14 @@ def _is_unit(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def unowned_parameters(module: nn.Module, prefix: str = ""):
+def unowned_parameters(module: nn.Module):
     """``(module, attr, param)`` for parameters in ``module``'s tree not yet flattened by a unit.
 
     A unit's own registered parameters are its shards and are skipped; parameters left
     inside a nested unit (ties deferred to an ancestor) are included.
     """
     seen: set[int] = set()
-    for name, sub in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
+    for sub in module.modules(remove_duplicate=False):
         if _is_unit(sub) or id(sub) in seen:
             continue
         seen.add(id(sub))
@@ -82,7 +82,7 @@ def param_locations(module: nn.Module) -> dict[int, list[str]]:
 
 
 def apply_policy(root: nn.Module, policy: Policy, make_unit: Callable) -> None:
-    """Replace, bottom-up, each submodule of ``root`` the policy picks with ``make_unit(sub, defer)``.
+    """Replace, bottom-up, each submodule the policy picks by ``make_unit(sub, defer)``.
 
     ``defer`` holds the parameters of ``sub`` that are also registered outside it (ties):
     they are left for the lowest enclosing unit that contains every use.

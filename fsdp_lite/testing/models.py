@@ -112,8 +112,12 @@ class ConvNet(nn.Module):
 
     def __init__(self, in_ch: int = 3, num_classes: int = 5) -> None:
         super().__init__()
-        self.stage1 = nn.Sequential(nn.Conv2d(in_ch, 7, 3, padding=1, bias=False), nn.BatchNorm2d(7), nn.ReLU())
-        self.stage2 = nn.Sequential(nn.Conv2d(7, 11, 3, padding=1, bias=False), nn.BatchNorm2d(11), nn.ReLU())
+        self.stage1 = nn.Sequential(
+            nn.Conv2d(in_ch, 7, 3, padding=1, bias=False), nn.BatchNorm2d(7), nn.ReLU()
+        )
+        self.stage2 = nn.Sequential(
+            nn.Conv2d(7, 11, 3, padding=1, bias=False), nn.BatchNorm2d(11), nn.ReLU()
+        )
         self.head = nn.Linear(11, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

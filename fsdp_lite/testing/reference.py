@@ -74,7 +74,7 @@ def _mean_over_ranks(x: torch.Tensor) -> float:
 
 
 def compare_training(run: Run) -> None:
-    """Train FSDP and the reference side by side; raise AssertionError naming the run on mismatch."""
+    """Train FSDP beside the reference; raise AssertionError naming the run on a mismatch."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234)
     ref = run.make_model()
@@ -102,9 +102,17 @@ def compare_training(run: Run) -> None:
             fsdp_loss += _mean_over_ranks(loss)
         _check_close(run, f"step {step} loss", fsdp_loss, ref_loss, run.tol.loss_rtol)
         if run.clip is not None:
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), run.clip, run.clip_norm_type)
+            ref_norm = torch.nn.utils.clip_grad_norm_(
+                ref.parameters(), run.clip, run.clip_norm_type
+            )
             norm = model.clip_grad_norm_(run.clip, run.clip_norm_type)
-            _check_close(run, f"step {step} grad norm", norm.item(), ref_norm.item(), max(1e-4, run.tol.loss_rtol))
+            _check_close(
+                run,
+                f"step {step} grad norm",
+                norm.item(),
+                ref_norm.item(),
+                max(1e-4, run.tol.loss_rtol),
+            )
         _check_grads(run, model, ref, step)
         ref_opt.step()
         opt.step()
@@ -143,7 +151,9 @@ class _nullcontext:
 
 def _check_close(run: Run, what: str, got: float, want: float, rtol: float) -> None:
     if abs(got - want) > rtol * max(abs(want), 1e-8):
-        raise AssertionError(f"[{run.name}] {what}: fsdp {got:.8g} vs reference {want:.8g} (rtol {rtol})")
+        raise AssertionError(
+            f"[{run.name}] {what}: fsdp {got:.8g} vs reference {want:.8g} (rtol {rtol})"
+        )
 
 
 def _check_params(run: Run, model: FSDPModule, ref: nn.Module, initial: dict, world: int) -> None:

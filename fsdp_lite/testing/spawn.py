@@ -46,7 +46,7 @@ def _worker(fn, rank: int, world_size: int, init_file: str, results, args, timeo
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return each rank's result.
+    """Run ``fn(rank, world_size, *args)`` on spawned ranks; return each rank's result.
 
     ``fn`` must be importable (a module-level function). Any rank's exception is raised
     here with its rank and traceback; ranks still running ``timeout`` seconds after the

@@ -34,7 +34,9 @@ def token_batch(world: int, step: int, per_rank: int = B_PER_RANK, vocab: int = 
 
 def image_batch(world: int, step: int, per_rank: int = 4):
     g = torch.Generator().manual_seed(200 + step)
-    return torch.randn(per_rank * world, 3, 6, 6, generator=g), torch.randint(0, 5, (per_rank * world,), generator=g)
+    return torch.randn(per_rank * world, 3, 6, 6, generator=g), torch.randint(
+        0, 5, (per_rank * world,), generator=g
+    )
 
 
 def gpt_loss(model, batch) -> torch.Tensor:

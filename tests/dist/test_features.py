@@ -29,7 +29,9 @@ def _assert_resharded(model) -> None:
     for unit in model._units():
         assert unit.training_state is TrainingState.IDLE, unit._unit_name
         for flat in unit._flat_params:
-            assert flat.full_data.untyped_storage().size() == 0, f"{unit._unit_name} kept its full params"
+            assert flat.full_data.untyped_storage().size() == 0, (
+                f"{unit._unit_name} kept its full params"
+            )
 
 
 def _eval_between_steps(model, ref, step: int) -> None:
@@ -54,7 +56,13 @@ def _features(rank: int, world: int) -> dict:
             gpt_run("no_sync x2", world, raf=raf, accumulate=2),
             gpt_run("frozen params", world, raf=raf, make_model=frozen_gpt),
             gpt_run("called twice", world, raf=raf, make_model=TwiceCalled),
-            gpt_run("two forwards", world, raf=raf, batch=functools.partial(token_batch, world, per_rank=4), loss=two_forwards_loss),
+            gpt_run(
+                "two forwards",
+                world,
+                raf=raf,
+                batch=functools.partial(token_batch, world, per_rank=4),
+                loss=two_forwards_loss,
+            ),
             gpt_run("eval between", world, raf=raf, between_steps=_eval_between_steps),
         ]
     runs += [
@@ -65,7 +73,12 @@ def _features(rank: int, world: int) -> dict:
         gpt_run("tie across units", world, make_model=cross_tied_gpt),
         gpt_run("untied", world, make_model=functools.partial(gpt, tie_weights=False)),
         gpt_run("by hand", world, wrap=wrap_by_hand),
-        gpt_run("by hand", world, raf=False, wrap=functools.partial(wrap_by_hand, reshard_after_forward=False)),
+        gpt_run(
+            "by hand",
+            world,
+            raf=False,
+            wrap=functools.partial(wrap_by_hand, reshard_after_forward=False),
+        ),
     ]
     results = {}
     for run in runs:

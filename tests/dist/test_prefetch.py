@@ -63,16 +63,43 @@ def _sequence(policy: PrefetchPolicy | None) -> list[list]:
 
 
 R, B0, B1 = "<root GPT>", "blocks.0", "blocks.1"
-FIRST = [f"AG {R}", f"AG {B0}", f"AG {B1}", f"AG {B1}", f"RS {B1}", f"AG {B0}", f"RS {B0}", f"RS {R}"]
+FIRST = [
+    f"AG {R}",
+    f"AG {B0}",
+    f"AG {B1}",
+    f"AG {B1}",
+    f"RS {B1}",
+    f"AG {B0}",
+    f"RS {B0}",
+    f"RS {R}",
+]
 EXPECTED = {
     "off": [FIRST, FIRST],
     "limit 1": [
         FIRST,
-        [f"AG {R}", f"AG {B0}", f"AG {B1}", f"AG {B1}", f"AG {B0}", f"RS {B1}", f"RS {B0}", f"RS {R}"],
+        [
+            f"AG {R}",
+            f"AG {B0}",
+            f"AG {B1}",
+            f"AG {B1}",
+            f"AG {B0}",
+            f"RS {B1}",
+            f"RS {B0}",
+            f"RS {R}",
+        ],
     ],
     "limit 2": [
         FIRST,
-        [f"AG {R}", f"AG {B0}", f"AG {B1}", f"AG {B1}", f"AG {B0}", f"RS {B1}", f"RS {B0}", f"RS {R}"],
+        [
+            f"AG {R}",
+            f"AG {B0}",
+            f"AG {B1}",
+            f"AG {B1}",
+            f"AG {B0}",
+            f"RS {B1}",
+            f"RS {B0}",
+            f"RS {R}",
+        ],
     ],
 }
 

@@ -70,7 +70,10 @@ def test_wrong_state_names_unit_and_states(world1) -> None:
     inner = CallsBack()
     model = fsdp_lite.FSDPModule(inner)
     inner.callback = lambda: model.clip_grad_norm_(1.0)
-    with pytest.raises(fsdp_lite.FSDPStateError, match="cannot clip_grad_norm_: it is in state FORWARD, expected IDLE"):
+    with pytest.raises(
+        fsdp_lite.FSDPStateError,
+        match="cannot clip_grad_norm_: it is in state FORWARD, expected IDLE",
+    ):
         model(torch.ones(1, 3))
     # the failed iteration left the unit usable
     assert model.training_state is fsdp_lite.TrainingState.IDLE

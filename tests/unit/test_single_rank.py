@@ -37,7 +37,13 @@ def test_policies_choose_units(world1) -> None:
     model = fsdp_lite.FSDPModule(gpt, auto_wrap_policy=policy)
     units = {name for name, m in model.named_modules() if isinstance(m, fsdp_lite.FSDPModule)}
     # blocks by type; by size: mlp (8352 params) yes, attn (4224) and wte (2048) no
-    assert units == {"", "module.blocks.0", "module.blocks.1", "module.blocks.0.module.mlp", "module.blocks.1.module.mlp"}, units
+    assert units == {
+        "",
+        "module.blocks.0",
+        "module.blocks.1",
+        "module.blocks.0.module.mlp",
+        "module.blocks.1.module.mlp",
+    }, units
     shards = list(model.parameters())
     assert all(p.dim() == 1 and p.dtype == torch.float32 for p in shards)
     n_orig = sum(p.numel() for p in GPT(GPTConfig(n_layer=2)).parameters())
@@ -49,10 +55,17 @@ def test_state_check_message() -> None:
 
     check_state("u", TrainingState.IDLE, TrainingState.IDLE, doing="x")
     try:
-        check_state("blocks.0", TrainingState.FORWARD, TrainingState.IDLE, TrainingState.PRE_BACKWARD, doing="run forward")
+        check_state(
+            "blocks.0",
+            TrainingState.FORWARD,
+            TrainingState.IDLE,
+            TrainingState.PRE_BACKWARD,
+            doing="run forward",
+        )
     except FSDPStateError as e:
         assert str(e) == (
-            "fsdp_lite unit 'blocks.0' cannot run forward: it is in state FORWARD, expected IDLE or PRE_BACKWARD"
+            "fsdp_lite unit 'blocks.0' cannot run forward: it is in state FORWARD, "
+            "expected IDLE or PRE_BACKWARD"
         )
     else:
         raise AssertionError("no error")

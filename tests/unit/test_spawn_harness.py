@@ -35,7 +35,9 @@ def test_reports_failing_rank_with_traceback_and_kills_peer() -> None:
     with pytest.raises(DistributedTestError) as err:
         run_distributed(_rank1_raises, 2, timeout=60)
     msg = str(err.value)
-    assert "rank 1 failed" in msg and "ValueError: boom on purpose" in msg and "_rank1_raises" in msg
+    assert (
+        "rank 1 failed" in msg and "ValueError: boom on purpose" in msg and "_rank1_raises" in msg
+    )
     assert "rank 0 failed" in msg or "ranks [0] hung" in msg  # gloo notices the peer left
     assert time.monotonic() - start < 30
 
