@@ -3,6 +3,11 @@
 from fsdp_lite import wrap
 from fsdp_lite.accounting import comm_stats, reset_comm_stats, reset_stats, stats
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
+from fsdp_lite.checkpoint import (
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+    make_viewless_tensor,
+)
 from fsdp_lite.fsdp import FSDPModule
 from fsdp_lite.state import FSDPStateError, TrainingState
 
@@ -12,7 +17,10 @@ __all__ = [
     "MixedPrecision",
     "PrefetchPolicy",
     "TrainingState",
+    "apply_activation_checkpointing",
+    "checkpoint_wrapper",
     "comm_stats",
+    "make_viewless_tensor",
     "reset_comm_stats",
     "reset_stats",
     "stats",

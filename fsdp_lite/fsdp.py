@@ -17,6 +17,7 @@ from torch.autograd.profiler import record_function
 from fsdp_lite import collectives, runtime
 from fsdp_lite import state_dict as _state_dict
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
+from fsdp_lite.checkpoint import CheckpointWrapper
 from fsdp_lite.flat_param import FlatParam
 from fsdp_lite.state import TrainingState, check_state
 from fsdp_lite.unit_init import build_flat_params, prepare_buffers, region_modules
@@ -288,7 +289,10 @@ class FSDPModule(nn.Module):
         for unit in units:
             unit._is_root = unit is self
             unit._ctx = ctx
-            path = names.get(id(unit.module), "")
+            inner = unit.module
+            while isinstance(inner, CheckpointWrapper):
+                inner = inner.checkpointed
+            path = names.get(id(inner), "")
             unit._unit_name = path or f"<root {type(unit.module).__name__}>"
             if unit._reshard_after_forward_arg is None:
                 unit.reshard_after_forward = not unit._is_root

@@ -49,6 +49,9 @@ class Run:
     steps: int = 5
     lr: float = 1e-3
     split_reference: bool = False  # reference runs each rank's slice separately (BatchNorm)
+    # Every rank and every reference slice starts each micro-step from the same RNG
+    # state, so dropout masks agree (implies split_reference).
+    replay_rng: bool = False
     accumulate: int = 1  # micro-batches per step; all but the last under no_sync
     clip: float | None = None
     clip_norm_type: float = 2.0
@@ -62,9 +65,17 @@ def _slice(batch: Batch, index: int, parts: int) -> Batch:
 
 
 def _reference_step(run: Run, ref: nn.Module, micro: Batch, world: int) -> torch.Tensor:
-    if not run.split_reference:
+    if not (run.split_reference or run.replay_rng):
         return run.loss(ref, micro)
-    return sum(run.loss(ref, _slice(micro, r, world)) for r in range(world)) / world
+    rng = torch.get_rng_state()
+    total = 0.0
+    for r in range(world):
+        if run.replay_rng:
+            torch.set_rng_state(rng)
+        total = total + run.loss(ref, _slice(micro, r, world))
+    if run.replay_rng:
+        torch.set_rng_state(rng)  # the FSDP rank's forward draws the same masks
+    return total / world
 
 
 def _mean_over_ranks(x: torch.Tensor) -> float:
