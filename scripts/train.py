@@ -61,6 +61,7 @@ class TrainConfig:
 class FSDPConfig:
     mixed_precision: str = "fp32"  # fp32 | bf16 | fp16
     reshard_after_forward: bool = True
+    activation_checkpointing: bool = False  # recompute every block's activations in backward
 
 
 @dataclass
@@ -288,11 +289,15 @@ def build_model(cfg: Config, vocab_size: int, d: Dist) -> tuple[fsdp_lite.FSDPMo
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     gpt = GPT(GPTConfig(vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout))
     n_params = sum(p.numel() for p in gpt.parameters())
+    unit_type: type = Block
+    if cfg.fsdp.activation_checkpointing:  # unit(checkpoint(block)): one unit per block still
+        fsdp_lite.apply_activation_checkpointing(gpt, fsdp_lite.wrap.by_type(Block))
+        unit_type = fsdp_lite.checkpoint.CheckpointWrapper
     dtype = _DTYPES[cfg.fsdp.mixed_precision]
     mp = None if dtype == torch.float32 else fsdp_lite.MixedPrecision(dtype, torch.float32)
     model = fsdp_lite.FSDPModule(
         gpt,
-        auto_wrap_policy=fsdp_lite.wrap.by_type(Block),
+        auto_wrap_policy=fsdp_lite.wrap.by_type(unit_type),
         reshard_after_forward=cfg.fsdp.reshard_after_forward,
         mixed_precision=mp,
         sync_module_states=True,
@@ -422,7 +427,9 @@ def train(cfg: Config, data: CharData, d: Dist) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML run config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    parser.add_argument(
+        "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="K=V"
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
