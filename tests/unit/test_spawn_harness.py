@@ -23,7 +23,7 @@ def _rank1_raises(rank: int, world: int) -> None:
 
 def _rank1_hangs(rank: int, world: int) -> None:
     if rank == 1:
-        time.sleep(60)
+        time.sleep(300)
 
 
 def test_returns_results_in_rank_order() -> None:
@@ -39,9 +39,9 @@ def test_reports_failing_rank_with_traceback_and_kills_peer() -> None:
         "rank 1 failed" in msg and "ValueError: boom on purpose" in msg and "_rank1_raises" in msg
     )
     assert "rank 0 failed" in msg or "ranks [0] hung" in msg  # gloo notices the peer left
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 60
 
 
 def test_kills_hung_rank_after_timeout() -> None:
     with pytest.raises(DistributedTestError, match=r"ranks \[1\] hung"):
-        run_distributed(_rank1_hangs, 2, timeout=4)
+        run_distributed(_rank1_hangs, 2, timeout=20)
