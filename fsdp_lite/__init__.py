@@ -9,9 +9,16 @@ from fsdp_lite.checkpoint import (
     make_viewless_tensor,
 )
 from fsdp_lite.fsdp import FSDPModule
+from fsdp_lite.offload import CPUOffload, SSDOffload, offload_optimizer_state
+from fsdp_lite.optim_state import full_optim_state_dict, load_full_optim_state_dict
+from fsdp_lite.save_load import CheckpointError, load_checkpoint, save_checkpoint
 from fsdp_lite.state import FSDPStateError, TrainingState
 
 __all__ = [
+    "CPUOffload",
+    "SSDOffload",
+    "offload_optimizer_state",
+    "CheckpointError",
     "FSDPModule",
     "FSDPStateError",
     "MixedPrecision",
@@ -20,9 +27,13 @@ __all__ = [
     "apply_activation_checkpointing",
     "checkpoint_wrapper",
     "comm_stats",
+    "full_optim_state_dict",
+    "load_checkpoint",
+    "load_full_optim_state_dict",
     "make_viewless_tensor",
     "reset_comm_stats",
     "reset_stats",
+    "save_checkpoint",
     "stats",
     "wrap",
 ]

@@ -86,6 +86,12 @@ def default_device(device: torch.device | str | int | None) -> torch.device:
     return torch.device("cpu")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait until the device has finished the work queued on its current stream."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def all_gather_flat(
     output: torch.Tensor,
     shard: torch.Tensor,

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fsdp_lite import accounting, collectives
+from fsdp_lite.offload import DeviceHome
 
 
 @dataclass
@@ -43,6 +44,7 @@ class FlatParam:
         group: collectives.ProcessGroup,
         device: torch.device,
         compute_dtype: torch.dtype,
+        home: DeviceHome,
         sync: bool = False,
     ) -> None:
         self.slots = slots
@@ -69,6 +71,10 @@ class FlatParam:
             shard = flat[start : start + self.shard_numel].clone()
         # The master copy: the only tensor an optimizer sees.  shape: (shard_numel,)
         self.shard = nn.Parameter(shard, requires_grad=self.requires_grad)
+        # Where the shard and its grad live between uses (device, CPU or files).
+        self.home = home
+        self.device = device  # the compute device
+        home.place(self)
         # Where collectives write the gathered params.  shape: (padded_numel,), storage
         # resized to 0 while resharded.
         self.full_data = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
@@ -109,7 +115,7 @@ class FlatParam:
         self.full_data.untyped_storage().resize_(self.full_nbytes)
         accounting.full_allocated(id(self), self.unit_key, self.full_nbytes)
         with torch.no_grad():
-            send = self.shard.detach().to(self.compute_dtype)
+            send = self.home.shard_for_gather(self).to(self.compute_dtype)
             self._gather = collectives.all_gather_flat(
                 self.full_data, send, self.group, async_op=True, unit=self.unit_name
             )
@@ -121,6 +127,7 @@ class FlatParam:
         if self._gather is not None:
             self._gather.wait()
             self._gather = self._gather_send = None
+            self.home.after_gather(self)
 
     def reshard(self) -> None:
         """Free the full buffer's storage (views stay valid objects, pointing at nothing)."""
@@ -134,10 +141,14 @@ class FlatParam:
 
         ``source`` is shard-shaped, e.g. ``shard.grad``; the result has the shard's dtype.
         """
-        source = self.shard if source is None else source
-        out = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
         with torch.no_grad():
-            collectives.all_gather_flat(out, source.detach().to(self.shard.dtype), self.group)
+            fetched = source is None
+            source = self.home.shard_for_gather(self) if fetched else source.detach()
+            source = source.to(self.device, self.shard.dtype)
+            out = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.device)
+            collectives.all_gather_flat(out, source, self.group)
+            if fetched:
+                self.home.after_gather(self)
         return out[: self.numel]
 
     def use_full_views(self) -> None:
@@ -196,9 +207,4 @@ class PendingGrad:
 
     def finish(self) -> None:
         self.work.wait()
-        grad = self.out.to(self.flat.shard.dtype)
-        shard = self.flat.shard
-        if shard.grad is None:
-            shard.grad = grad
-        else:
-            shard.grad.add_(grad)
+        self.flat.home.accumulate_grad(self.flat, self.out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from fsdp_lite import state_dict as _state_dict
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.checkpoint import CheckpointWrapper
 from fsdp_lite.flat_param import FlatParam
+from fsdp_lite.offload import CPUOffload, DeviceHome, SSDOffload
 from fsdp_lite.state import TrainingState, check_state
 from fsdp_lite.unit_init import build_flat_params, prepare_buffers, region_modules
 from fsdp_lite.wrap import Policy, apply_policy
@@ -53,6 +55,10 @@ class FSDPModule(nn.Module):
         device: compute device; default ``cuda:LOCAL_RANK`` if CUDA is available, else cpu.
         prefetch: which all-gathers to issue ahead (see ``PrefetchPolicy``); ``None`` turns
             prefetching off. The root's policy applies to its whole tree.
+        offload: where shards and shard grads live between uses: ``CPUOffload()`` (CPU
+            memory; the optimizer steps on CPU) or ``SSDOffload(path)`` (memory-mapped files;
+            see ``offload_optimizer_state`` for the optimizer's moments). ``None``: the
+            compute device.
     """
 
     def __init__(
@@ -65,6 +71,7 @@ class FSDPModule(nn.Module):
         sync_module_states: bool = False,
         device: torch.device | str | int | None = None,
         prefetch: PrefetchPolicy | None = DEFAULT_PREFETCH,
+        offload: CPUOffload | SSDOffload | None = None,
         *,
         _defer_params: frozenset[int] = frozenset(),
     ) -> None:
@@ -80,6 +87,12 @@ class FSDPModule(nn.Module):
         if prefetch is not None and not isinstance(prefetch, PrefetchPolicy):
             raise TypeError(f"prefetch must be fsdp_lite.PrefetchPolicy or None, got {prefetch!r}")
         self.prefetch = prefetch
+        if offload is not None and not isinstance(offload, CPUOffload | SSDOffload):
+            raise TypeError(
+                f"offload must be fsdp_lite.CPUOffload, SSDOffload or None, got {offload!r}"
+            )
+        rank = collectives.rank(self.process_group)
+        self._home = offload.make_home(self.device, rank) if offload else DeviceHome(self.device)
         if auto_wrap_policy is not None:
             make_unit = functools.partial(
                 _wrap_child,
@@ -89,6 +102,7 @@ class FSDPModule(nn.Module):
                 sync_module_states=sync_module_states,
                 device=self.device,
                 prefetch=prefetch,
+                offload=offload,
             )
             apply_policy(module, auto_wrap_policy, make_unit)
         self._unit_name = type(module).__name__  # refined to the module path at lazy init
@@ -99,8 +113,10 @@ class FSDPModule(nn.Module):
         for i, flat in enumerate(self._flat_params):
             self.register_parameter(f"flat_param_{i}", flat.shard)
             if flat.requires_grad:
+                # Weak references: autograd holds the hook from C++, where Python's garbage
+                # collector cannot see the cycle unit -> flat -> full -> hook -> unit.
                 flat.full.register_post_accumulate_grad_hook(
-                    functools.partial(_post_accumulate, self, flat)
+                    functools.partial(_post_accumulate, weakref.ref(self), weakref.ref(flat))
                 )
         prepare_buffers(self, module, sync_module_states)
         _install_fp32_modules(module, mixed_precision)
@@ -183,16 +199,16 @@ class FSDPModule(nn.Module):
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if norm_type == float("inf"):
             for g in grads:
-                total = torch.maximum(total, g.abs().max().float())
+                total = torch.maximum(total, g.abs().max().float().to(self.device))
             collectives.all_reduce(total, self.process_group, op="max")
         else:
             for g in grads:  # sum of |g|^p: fp32 norm() over millions of elements drifts
-                total += g.float().abs().pow(norm_type).sum()
+                total += g.float().abs().pow(norm_type).sum().to(self.device)
             collectives.all_reduce(total, self.process_group, op="sum")
             total = total ** (1.0 / norm_type)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(coef.to(g.dtype))
+            g.mul_(coef.to(g.device, g.dtype))
         return total
 
     def state_dict(
@@ -330,8 +346,8 @@ class FSDPModule(nn.Module):
         return flat.compute_dtype if mp is None else mp.effective_reduce_dtype
 
 
-def _post_accumulate(unit: FSDPModule, flat: FlatParam, full: torch.Tensor) -> None:
-    runtime.post_backward(unit, flat)
+def _post_accumulate(unit_ref: weakref.ref, flat_ref: weakref.ref, full: torch.Tensor) -> None:
+    runtime.post_backward(unit_ref(), flat_ref())
 
 
 def _wrap_child(child: nn.Module, defer: set[int], **kwargs: Any) -> FSDPModule:

@@ -180,6 +180,9 @@ def finish_backward(ctx: RootContext) -> None:
         for pending in ctx.pending:
             pending.finish()
         ctx.pending.clear()
+        homes = {id(f.home): f.home for u in ctx.units for f in u._flat_params}
+        for home in homes.values():
+            home.end_of_backward()
         for unit in ctx.units:
             unit._reshard()
             unit._state = TrainingState.IDLE

@@ -104,6 +104,7 @@ def build_flat_params(
             group=unit.process_group,
             device=unit.device,
             compute_dtype=compute_dtype,
+            home=unit._home,
             sync=sync,
         )
         for slot in flat.slots:

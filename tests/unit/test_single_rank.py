@@ -80,3 +80,17 @@ def test_buffers_and_frozen_params_not_in_optimizer(world1) -> None:
     unit(torch.randn(5, 3)).sum().backward()
     frozen = [p for p in unit.parameters() if not p.requires_grad][0]
     assert frozen.grad is None
+
+
+def test_deleted_model_is_freed_after_training(world1) -> None:
+    """Hooks autograd holds from C++ must not keep a unit (and its memory) alive."""
+    import gc
+    import weakref
+
+    model = fsdp_lite.FSDPModule(GPT(GPTConfig()), auto_wrap_policy=fsdp_lite.wrap.by_type(Block))
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x)[1].backward()
+    refs = [weakref.ref(m) for m in model.modules()]
+    del model
+    gc.collect()
+    assert all(r() is None for r in refs)

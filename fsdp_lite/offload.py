@@ -1,0 +1,252 @@
+"""Homes for shards and shard grads: the compute device (default), CPU memory, or files.
+
+A unit talks to its flat params' home at four points only: once at wrap time
+(``place``), before each gather (``shard_for_gather`` / ``after_gather``), after each
+reduce-scatter (``accumulate_grad``) and at the end of backward (``end_of_backward``);
+``offload_optimizer_state`` adds the optimizer step. Each home is one small class.
+
+[Note: SSD homes are memory-mapped]
+An SSD home keeps each shard, shard grad and (optionally) optimizer moment in a file
+mapped with ``MAP_SHARED`` and viewed as a tensor (``torch.frombuffer``). The shard
+``nn.Parameter`` keeps its identity and the optimizer's in-place updates reach the file
+with no copy. After each use the home drops the pages from this process
+(``madvise(MADV_DONTNEED)``, safe for shared file mappings: the data stays in the file
+and page cache), so between uses they cost no resident memory; the next touch pages
+them back in.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import mmap
+import os
+import shutil
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from fsdp_lite import collectives
+
+if TYPE_CHECKING:
+    from fsdp_lite.flat_param import FlatParam
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """fp32 shards and shard grads live in CPU memory; the optimizer steps on CPU.
+
+    Args:
+        pin_memory: pin the host buffers when the compute device is CUDA, so copies to
+            and from the device run asynchronously.
+    """
+
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"CPUOffload.pin_memory must be a bool, got {self.pin_memory!r}")
+
+    def make_home(self, device: torch.device, rank: int) -> CPUHome:
+        return CPUHome(device, pin=self.pin_memory and device.type == "cuda")
+
+
+@dataclass(frozen=True)
+class SSDOffload:
+    """fp32 shards and shard grads live in files under ``path/rank{r}/``, in RAM only while
+    a unit uses them. The directory is private (mode 0700) and removed at exit.
+
+    Args:
+        path: a directory on a fast local disk; created if missing.
+    """
+
+    path: str | os.PathLike
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str | os.PathLike) or not str(self.path):
+            raise TypeError(f"SSDOffload.path must be a directory path, got {self.path!r}")
+
+    def make_home(self, device: torch.device, rank: int) -> SSDHome:
+        """One home per directory while any flat param uses it (units share the files)."""
+        directory = (Path(self.path) / f"rank{rank}").resolve()
+        home = _SSD_HOMES.get(str(directory))
+        if home is None:
+            home = _SSD_HOMES[str(directory)] = SSDHome(device, directory)
+        return home
+
+
+class DeviceHome:
+    """No offload: the shard and its grad live on the compute device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def place(self, flat: FlatParam) -> None:
+        pass
+
+    def shard_for_gather(self, flat: FlatParam) -> torch.Tensor:
+        return flat.shard.detach()
+
+    def after_gather(self, flat: FlatParam) -> None:
+        pass
+
+    def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
+        """Add a reduced shard grad (compute device, reduce dtype) to the fp32 shard grad."""
+        shard = flat.shard
+        if shard.grad is None:
+            shard.grad = grad.to(shard.dtype)
+        else:
+            shard.grad.add_(grad)
+
+    def end_of_backward(self) -> None:
+        pass
+
+    def release(self) -> None:
+        """After the optimizer step: nothing needs to stay resident."""
+
+
+class CPUHome(DeviceHome):
+    """Shards and grads in (pinned) CPU memory; copies to and from the compute device."""
+
+    def __init__(self, device: torch.device, pin: bool) -> None:
+        super().__init__(device)
+        self.pin = pin
+        self._staged: list[tuple[FlatParam, torch.Tensor]] = []  # grads copying to host
+
+    def place(self, flat: FlatParam) -> None:
+        data = flat.shard.data.to("cpu")
+        flat.shard.data = data.pin_memory() if self.pin else data
+
+    def shard_for_gather(self, flat: FlatParam) -> torch.Tensor:
+        return flat.shard.detach().to(self.device, non_blocking=self.pin)
+
+    def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
+        if self.device.type == "cpu":
+            return super().accumulate_grad(flat, grad)
+        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
+        host.copy_(grad, non_blocking=self.pin)
+        self._staged.append((flat, host))  # added once the copy is known to be done
+
+    def end_of_backward(self) -> None:
+        if not self._staged:
+            return
+        collectives.synchronize(self.device)
+        for flat, host in self._staged:
+            super().accumulate_grad(flat, host)
+        self._staged.clear()
+
+
+_file_ids = itertools.count()
+_SSD_HOMES: weakref.WeakValueDictionary[str, SSDHome] = weakref.WeakValueDictionary()
+
+
+class SSDHome(DeviceHome):
+    """Shards, grads and optimizer moments in memory-mapped files under one directory."""
+
+    def __init__(self, device: torch.device, directory: Path) -> None:
+        super().__init__(device)
+        self.directory = directory
+        self._maps: list[mmap.mmap] = []
+        self._grads: dict[int, torch.Tensor] = {}  # id(flat) -> file-backed grad buffer
+        self._grad_maps: dict[int, mmap.mmap] = {}
+        self._shard_maps: dict[int, mmap.mmap] = {}
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(directory, 0o700)
+            probe = directory / ".probe"
+            probe.write_bytes(b"0")
+            probe.unlink()
+        except OSError as e:
+            raise RuntimeError(
+                f"SSDOffload cannot create its files under {directory}: {e}. Pass a writable "
+                "directory on a local disk with room for this rank's shards, grads and "
+                "optimizer state"
+            ) from e
+        _register_cleanup(self, directory)
+
+    def new_tensor(self, like: torch.Tensor) -> tuple[torch.Tensor, mmap.mmap]:
+        """A zero-filled file-backed tensor shaped like ``like`` (float dtypes)."""
+        nbytes = max(like.numel() * like.element_size(), 1)
+        path = self.directory / f"t{next(_file_ids)}.bin"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._maps.append(mapping)
+        tensor = torch.frombuffer(mapping, dtype=like.dtype, count=like.numel())
+        return tensor.view(like.shape), mapping
+
+    def place(self, flat: FlatParam) -> None:
+        shard, shard_map = self.new_tensor(flat.shard.data)
+        shard.copy_(flat.shard.data)
+        flat.shard.data = shard
+        grad, grad_map = self.new_tensor(flat.shard.data)
+        self._grads[id(flat)], self._grad_maps[id(flat)] = grad, grad_map
+        self._shard_maps[id(flat)] = shard_map
+        self.release()
+
+    def shard_for_gather(self, flat: FlatParam) -> torch.Tensor:
+        return flat.shard.detach().to(self.device)
+
+    def after_gather(self, flat: FlatParam) -> None:
+        _drop_pages(self._shard_maps[id(flat)])
+
+    def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
+        shard = flat.shard
+        if shard.grad is None:  # e.g. after zero_grad(set_to_none=True): reuse the file
+            shard.grad = self._grads[id(flat)]
+            shard.grad.copy_(grad)
+        else:
+            shard.grad.add_(grad.to(shard.grad.device))
+        _drop_pages(self._grad_maps[id(flat)])
+
+    def release(self) -> None:
+        for mapping in self._maps:
+            _drop_pages(mapping)
+
+
+def _drop_pages(mapping: mmap.mmap) -> None:
+    mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def _register_cleanup(home: SSDHome, directory: Path) -> None:
+    def cleanup(path: str = str(directory)) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    weakref.finalize(home, cleanup)
+    atexit.register(cleanup)
+
+
+def offload_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    """Move the optimizer's per-parameter moments (e.g. AdamW's ``exp_avg``/``exp_avg_sq``)
+    of SSD-offloaded shards into the same files, after the optimizer's first step, and drop
+    every offloaded page after each step. Call once, right after building the optimizer."""
+    homes = {
+        id(flat.shard): flat.home
+        for unit in model.modules()
+        for flat in getattr(unit, "_flat_params", [])
+    }
+    moved: set[int] = set()
+
+    def after_step(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                home = homes.get(id(p))
+                if not isinstance(home, SSDHome) or id(p) in moved:
+                    continue
+                state = opt.state.get(p, {})
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                        stored, _ = home.new_tensor(value)
+                        stored.copy_(value)
+                        state[key] = stored
+                moved.add(id(p))
+        for home in {id(h): h for h in homes.values()}.values():
+            home.release()
+
+    optimizer.register_step_post_hook(after_step)
