@@ -1,4 +1,12 @@
-"""Full state dicts with the original module's keys (no wrapper prefixes)."""
+"""Full state dicts with the original module's keys (no wrapper prefixes).
+
+[Note: one flat param at a time]
+Every path here walks the units and their flat params in the same order on every
+rank and moves one flat param at a time: a gather for ``state_dict``, a broadcast for
+``load_state_dict(rank0_only=True)``. The whole model is never materialized on a rank
+that does not keep it, so peak memory stays one flat param above the sharded footprint
+(plus, on the rank that keeps it, the CPU copy it returns).
+"""
 
 from __future__ import annotations
 
@@ -10,20 +18,24 @@ import torch
 from torch import nn
 
 from fsdp_lite import collectives
+from fsdp_lite.flat_param import FlatParam, ParamSlot
 from fsdp_lite.state import TrainingState, check_state
 
 if TYPE_CHECKING:
     from fsdp_lite.fsdp import FSDPModule
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+Location = tuple[int, str]  # (id(module), attribute)
 
 
 def clean_named_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """Like ``named_modules`` of the unwrapped model: unit wrappers are stepped over."""
+    """Like ``named_modules`` of the unwrapped model: unit and checkpoint wrappers are
+    stepped over."""
+    from fsdp_lite.checkpoint import CheckpointWrapper
     from fsdp_lite.fsdp import FSDPModule
 
-    while isinstance(module, FSDPModule):
-        module = module.module
+    while isinstance(module, FSDPModule | CheckpointWrapper):
+        module = module.module if isinstance(module, FSDPModule) else module.checkpointed
     yield prefix.rstrip("."), module
     for name, child in module._modules.items():
         if child is not None:
@@ -43,21 +55,102 @@ def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             yield name, buf
 
 
-def _check_idle(root: FSDPModule, doing: str) -> list[FSDPModule]:
+def check_idle(root: FSDPModule, doing: str) -> list[FSDPModule]:
+    """Every unit of ``root``'s tree, after checking that each is IDLE."""
     units = root._units()
     for unit in units:
         check_state(unit._unit_name, unit._state, TrainingState.IDLE, doing=doing)
     return units
 
 
-def _expected_shapes(root: FSDPModule) -> dict[str, torch.Size]:
+def flat_params(root: FSDPModule) -> list[FlatParam]:
+    """Every flat param of the tree, in the same order on every rank."""
+    return [flat for unit in root._units() for flat in unit._flat_params]
+
+
+# -- where a rank's shard sits in the original parameters -------------------------
+
+
+def shard_pieces(flat: FlatParam, rank: int | None = None) -> Iterator[tuple[int, int, int, int]]:
+    """``(slot index, lo, hi, at)``: elements ``[lo, hi)`` of that slot's flattened value
+    live at ``shard[at : at + hi - lo]`` on ``rank`` (default: this rank).
+
+    Worked example, W=2, slots a (6 elements) and b (3), shard_numel 5: rank 0 holds
+    ``(0, 0, 5, 0)``; rank 1 holds ``(0, 5, 6, 0)`` and ``(1, 0, 3, 1)``, then 1 padding.
+    """
+    rank = flat.rank if rank is None else rank
+    start = rank * flat.shard_numel
+    end = start + flat.shard_numel
+    for i, slot in enumerate(flat.slots):
+        lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+        if lo < hi:
+            yield i, lo - slot.offset, hi - slot.offset, lo - start
+
+
+@torch.no_grad()
+def write_shard(shard: torch.Tensor, flat: FlatParam, values: dict[int, torch.Tensor]) -> None:
+    """Copy this rank's part of each slot's full value (``values[slot index]``, any
+    shape with the slot's numel) into the shard-shaped ``shard``; other slots keep theirs."""
+    for i, lo, hi, at in shard_pieces(flat):
+        if i in values:
+            shard[at : at + hi - lo].copy_(values[i].reshape(-1)[lo:hi])
+
+
+def param_names(root: FSDPModule) -> dict[int, str]:
+    """id(slot) -> the parameter's name in the unwrapped module's ``named_parameters()``
+    (a tied parameter appears once, under its first name)."""
+    slot_at: dict[Location, ParamSlot] = {}
+    for flat in flat_params(root):
+        for slot in flat.slots:
+            for module, attr in slot.locations:
+                slot_at[(id(module), attr)] = slot
+    names: dict[int, str] = {}
+    for prefix, module in clean_named_modules(root):
+        pre = f"{prefix}." if prefix else ""
+        for attr in _param_names(module):
+            slot = slot_at.get((id(module), attr))
+            if slot is not None and id(slot) not in names:
+                names[id(slot)] = pre + attr
+    return names
+
+
+def state_dict_layout(
+    root: FSDPModule,
+) -> tuple[dict[str, tuple[FlatParam, int]], dict[str, tuple[torch.Tensor, torch.dtype]]]:
+    """Where each key of the full state dict lives: ``key -> (flat param, slot index)`` for
+    flattened parameters (tied ones under every name), and ``key -> (tensor, dtype to
+    save it in)`` for buffers and any parameter left unflattened."""
+    slot_at: dict[Location, tuple[FlatParam, int]] = {}
+    for flat in flat_params(root):
+        for i, slot in enumerate(flat.slots):
+            for module, attr in slot.locations:
+                slot_at[(id(module), attr)] = (flat, i)
+    slots: dict[str, tuple[FlatParam, int]] = {}
+    tensors: dict[str, tuple[torch.Tensor, torch.dtype]] = {}
+    for prefix, module in clean_named_modules(root):
+        pre = f"{prefix}." if prefix else ""
+        for name in _param_names(module):
+            p = module._parameters.get(name)
+            if p is not None:
+                tensors[pre + name] = (p, p.dtype)
+            elif (id(module), name) in slot_at:
+                slots[pre + name] = slot_at[(id(module), name)]
+        dtypes = module.__dict__.get("_fsdp_lite_buffer_dtypes", {})
+        for name, buf in _persistent_buffers(module):
+            tensors[pre + name] = (buf, dtypes.get(name, buf.dtype))
+    return slots, tensors
+
+
+# -- full state dict ----------------------------------------------------------------
+
+
+def expected_shapes(root: FSDPModule) -> dict[str, torch.Size]:
     """Every key of the full state dict and its shape, in the unwrapped module's order."""
-    shapes: dict[tuple[int, str], torch.Size] = {}
-    for unit in root._units():
-        for flat in unit._flat_params:
-            for slot in flat.slots:
-                for module, attr in slot.locations:
-                    shapes[(id(module), attr)] = slot.shape
+    shapes: dict[Location, torch.Size] = {}
+    for flat in flat_params(root):
+        for slot in flat.slots:
+            for module, attr in slot.locations:
+                shapes[(id(module), attr)] = slot.shape
     out: dict[str, torch.Size] = {}
     for prefix, module in clean_named_modules(root):
         pre = f"{prefix}." if prefix else ""
@@ -71,28 +164,38 @@ def _expected_shapes(root: FSDPModule) -> dict[str, torch.Size]:
     return out
 
 
-def _gathered_params(units: list[FSDPModule], grads: bool) -> dict[tuple[int, str], torch.Tensor]:
-    """(id(module), attr) -> full CPU tensor of every flat-param slot (collective)."""
-    values: dict[tuple[int, str], torch.Tensor] = {}
-    for unit in units:
-        for flat in unit._flat_params:
-            if grads and not flat.requires_grad:
-                continue
-            source = flat.shard
-            if grads:
-                source = flat.shard.grad if flat.shard.grad is not None else torch.zeros_like(source)
-            full = flat.gather_fp32(source).cpu()
+def _gather_slots(flats: list[FlatParam], grads: bool, keep: bool) -> dict[Location, torch.Tensor]:
+    """Location -> full fp32 CPU tensor of every slot, gathered one flat param at a time
+    (collective). With ``keep=False`` the gathers still run but nothing is kept."""
+    values: dict[Location, torch.Tensor] = {}
+    for flat in flats:
+        if grads and not flat.requires_grad:
+            continue
+        source = flat.shard
+        if grads:
+            source = flat.shard.grad if flat.shard.grad is not None else torch.zeros_like(source)
+        full = flat.gather_fp32(source)  # (numel,): the only full copy on this rank
+        if keep:
             for slot in flat.slots:
-                tensor = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                piece = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                tensor = piece.to("cpu", copy=True)
                 for module, attr in slot.locations:
                     values[(id(module), attr)] = tensor
+        del full
     return values
 
 
 def full_state_dict(root: FSDPModule, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """Gather every unit's parameters in fp32 (collective: call on every rank)."""
-    units = _check_idle(root, "produce a state dict")
-    values = _gathered_params(units, grads=False)
+    """Gather every unit's parameters in fp32 onto CPU (collective: call on every rank).
+
+    With ``rank0_only`` other ranks return ``{}`` and hold at most one flat param's full
+    copy at a time; rank 0 holds the returned CPU dict plus one flat param.
+    """
+    check_idle(root, "produce a state dict")
+    keep = not rank0_only or collectives.rank(root.process_group) == 0
+    values = _gather_slots(flat_params(root), grads=False, keep=keep)
+    if not keep:
+        return {}
     sd: dict[str, torch.Tensor] = {}
     for prefix, module in clean_named_modules(root):
         pre = f"{prefix}." if prefix else ""
@@ -104,8 +207,6 @@ def full_state_dict(root: FSDPModule, rank0_only: bool = False) -> dict[str, tor
         dtypes = module.__dict__.get("_fsdp_lite_buffer_dtypes", {})
         for name, buf in _persistent_buffers(module):
             sd[pre + name] = buf.detach().to("cpu", dtypes.get(name, buf.dtype)).clone()
-    if rank0_only and collectives.rank(root.process_group) != 0:
-        return {}
     return sd
 
 
@@ -115,8 +216,8 @@ def full_grads(root: FSDPModule) -> dict[str, torch.Tensor]:
     Collective; for tests and debugging (it materializes every gradient on every rank).
     Parameters without a gradient this iteration read as zeros.
     """
-    units = _check_idle(root, "gather gradients")
-    values = _gathered_params(units, grads=True)
+    check_idle(root, "gather gradients")
+    values = _gather_slots(flat_params(root), grads=True, keep=True)
     out: dict[str, torch.Tensor] = {}
     for prefix, module in clean_named_modules(root):
         pre = f"{prefix}." if prefix else ""
@@ -126,14 +227,23 @@ def full_grads(root: FSDPModule) -> dict[str, torch.Tensor]:
     return out
 
 
-def _validate(root: FSDPModule, sd: dict[str, Any], strict: bool) -> IncompatibleKeys:
-    expected = _expected_shapes(root)
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected]
+# -- loading ------------------------------------------------------------------------
+
+
+def validate_keys(
+    expected: dict[str, torch.Size],
+    shapes: dict[str, tuple[int, ...]],
+    strict: bool,
+    what: str,
+    hint: str = "pass strict=False to load a subset",
+) -> IncompatibleKeys:
+    """Compare a checkpoint's keys and shapes with the model's; raise naming every problem."""
+    missing = [k for k in expected if k not in shapes]
+    unexpected = [k for k in shapes if k not in expected]
     misshapen = [
-        f"{k}: checkpoint {tuple(sd[k].shape)}, model {tuple(shape)}"
+        f"{k}: checkpoint {tuple(shapes[k])}, model {tuple(shape)}"
         for k, shape in expected.items()
-        if k in sd and tuple(sd[k].shape) != tuple(shape)
+        if k in shapes and tuple(shapes[k]) != tuple(shape)
     ]
     problems = []
     if misshapen:
@@ -144,10 +254,9 @@ def _validate(root: FSDPModule, sd: dict[str, Any], strict: bool) -> Incompatibl
         problems.append(f"unexpected keys: {unexpected}")
     if problems:
         raise RuntimeError(
-            "load_state_dict: the state dict does not match the model (nothing was loaded): "
+            f"{what}: the state dict does not match the model (nothing was loaded): "
             + " | ".join(problems)
-            + ". Keys are the unwrapped module's (no 'module.' prefixes); pass strict=False "
-            "to load a subset"
+            + f". Keys are the unwrapped module's (no 'module.' prefixes); {hint}"
         )
     return IncompatibleKeys(missing, unexpected)
 
@@ -156,43 +265,60 @@ def _validate(root: FSDPModule, sd: dict[str, Any], strict: bool) -> Incompatibl
 def load_full_state_dict(
     root: FSDPModule, sd: dict[str, Any], strict: bool = True, rank0_only: bool = False
 ) -> IncompatibleKeys:
-    """Load a full state dict present on every rank into the shards (no communication)."""
-    units = _check_idle(root, "load a state dict")
+    """Load a full state dict into the shards (collective when ``rank0_only``).
+
+    Without ``rank0_only`` every rank passes the same dict and nothing is communicated.
+    With it only rank 0's dict is read: the key list goes out first (so every rank raises
+    the same error on a mismatch), then each flat param and buffer is broadcast in turn.
+    """
+    units = check_idle(root, "load a state dict")
+    group = root.process_group
+    is_source = not rank0_only or collectives.rank(group) == 0
+    shapes = {k: tuple(v.shape) for k, v in sd.items() if torch.is_tensor(v)} if is_source else {}
     if rank0_only:
-        sd = collectives.broadcast_object(sd, root.process_group)
-    result = _validate(root, sd, strict)
+        shapes = collectives.broadcast_object(shapes, group)
+    result = validate_keys(expected_shapes(root), shapes, strict, "load_state_dict")
     keys = {id(m): (f"{p}." if p else "") for p, m in clean_named_modules(root)}
     for unit in units:
-        unit._reshard()
+        unit._reshard()  # full params kept by reshard_after_forward=False would go stale
         for flat in unit._flat_params:
-            found = [_find_key(sd, keys, slot.locations) for slot in flat.slots]
-            # strict=False with keys absent: keep those parameters' current values
-            current = flat.gather_fp32() if None in found else None
-            pieces = []
-            for slot, key in zip(flat.slots, found):
-                if key is None:
-                    pieces.append(current[slot.offset : slot.offset + slot.numel])
-                else:
-                    pieces.append(sd[key].detach().reshape(-1).to(flat.shard.device, flat.shard.dtype))
-            flat.load_full(torch.cat(pieces))
+            found = {i: _find_key(shapes, keys, s.locations) for i, s in enumerate(flat.slots)}
+            found = {i: k for i, k in found.items() if k is not None}
+            if not found:
+                continue
+            values = {i: sd[k] for i, k in found.items()} if is_source else {}
+            if rank0_only:
+                values = broadcast_slots(flat, values, list(found), flat.shard.dtype)
+            write_shard(flat.shard, flat, values)
     for prefix, module in clean_named_modules(root):
         pre = f"{prefix}." if prefix else ""
-        for name, p in module._parameters.items():
-            if p is not None and pre + name in sd:
-                p.copy_(sd[pre + name])
-        for name, buf in _persistent_buffers(module):
-            if pre + name in sd:
-                buf.copy_(sd[pre + name])
+        tensors = [(n, p) for n, p in module._parameters.items() if p is not None]
+        for name, tensor in tensors + list(_persistent_buffers(module)):
+            if pre + name in shapes:
+                if is_source:
+                    tensor.copy_(sd[pre + name])
+                if rank0_only:
+                    collectives.broadcast(tensor, group)
     return result
 
 
-def _find_key(sd: dict[str, Any], keys: dict[int, str], locations) -> str | None:
+def broadcast_slots(
+    flat: FlatParam, values: dict[int, torch.Tensor], present: list[int], dtype: torch.dtype
+) -> dict[int, torch.Tensor]:
+    """Rank 0's values of the slots in ``present`` (``values`` is read on rank 0 only), as
+    views of one broadcast flat tensor of ``flat``'s unpadded size (collective)."""
+    full = torch.zeros(flat.numel, dtype=dtype, device=flat.shard.device)
+    if collectives.rank(flat.group) == 0:
+        for i in present:
+            slot = flat.slots[i]
+            full[slot.offset : slot.offset + slot.numel].copy_(values[i].reshape(-1))
+    collectives.broadcast(full, flat.group)
+    return {i: full[flat.slots[i].offset :][: flat.slots[i].numel] for i in present}
+
+
+def _find_key(shapes: dict[str, Any], keys: dict[int, str], locations) -> str | None:
     for module, attr in locations:
         key = keys.get(id(module), "?") + attr
-        if key in sd:
+        if key in shapes:
             return key
     return None
-
-
-def summon_full_params(root: FSDPModule, **options: Any):
-    raise NotImplementedError("summon_full_params: issue 4, in progress")

@@ -1,0 +1,124 @@
+"""summon_full_params: the original, full fp32 parameters, as real ``nn.Parameter``s.
+
+Inside the context every original parameter location holds an ``nn.Parameter`` viewing
+one fp32 copy of its flat param, gathered from the shards, so ``named_parameters()``,
+EMA updates, custom init and inspection see the unwrapped model. On exit, with
+``writeback``, each rank copies its own slice of the (possibly edited) values back
+into its shard (no communication); the full copies are then dropped, so memory returns
+to the sharded footprint once the caller holds no references to them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from fsdp_lite import collectives
+from fsdp_lite.flat_param import FlatParam
+from fsdp_lite.state import TrainingState, check_state
+from fsdp_lite.state_dict import write_shard
+
+if TYPE_CHECKING:
+    from fsdp_lite.fsdp import FSDPModule
+
+# What one location held before the summon (the storage-less view of the full buffer).
+_Saved = list[tuple[nn.Module, str, object]]
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    root: FSDPModule,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    recurse: bool = True,
+) -> Iterator[None]:
+    """See ``FSDPModule.summon_full_params``. Collective on entry (one all-gather per flat
+    param); exit communicates only to refresh full buffers kept alive by
+    ``reshard_after_forward=False``."""
+    if rank0_only and writeback:
+        raise ValueError(
+            "summon_full_params(rank0_only=True, writeback=True) is not supported: only "
+            "rank 0 would see the full parameters, so edits could not reach the other "
+            "ranks' shards. Pass writeback=False, or rank0_only=False"
+        )
+    units = root._units() if recurse else [root]
+    for unit in units:
+        check_state(unit._unit_name, unit._state, TrainingState.IDLE, doing="summon_full_params")
+    keep = not rank0_only or collectives.rank(root.process_group) == 0
+    flats = [flat for unit in units for flat in unit._flat_params]
+    saved: list[_Saved] = []
+    for unit in units:
+        unit._state = TrainingState.SUMMON_FULL_PARAMS
+    try:
+        for flat in flats:
+            saved.append(_install_full(flat, keep, offload_to_cpu))
+        _restore_param_order(saved)
+        yield
+        if writeback:
+            for flat in flats:
+                _write_back(flat)
+    finally:
+        for entries in saved:
+            _uninstall(entries)
+        for unit in units:
+            unit._state = TrainingState.IDLE
+
+
+@torch.no_grad()
+def _install_full(flat: FlatParam, keep: bool, offload_to_cpu: bool) -> _Saved:
+    """Gather ``flat`` in fp32 and register one ``nn.Parameter`` per slot at every location."""
+    full = flat.gather_fp32()  # (numel,)
+    if not keep:
+        return []
+    if offload_to_cpu:
+        full = full.to("cpu", copy=True)
+    saved: _Saved = []
+    for slot in flat.slots:
+        value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        param = nn.Parameter(value, requires_grad=flat.requires_grad)
+        for module, attr in slot.locations:
+            saved.append((module, attr, module.__dict__.pop(attr, None)))
+            module._parameters[attr] = param  # a tie: one Parameter at every location
+    return saved
+
+
+def _restore_param_order(saved: list[_Saved]) -> None:
+    """Put each touched module's parameters back in their original registration order."""
+    modules = {id(m): m for entries in saved for m, _, _ in entries}
+    for module in modules.values():
+        params = module._parameters
+        for name in module.__dict__.get("_fsdp_lite_param_order", []):
+            if name in params:
+                params[name] = params.pop(name)
+
+
+@torch.no_grad()
+def _write_back(flat: FlatParam) -> None:
+    """Copy this rank's slice of every slot's current value (first location) into the shard."""
+    values = {}
+    for i, slot in enumerate(flat.slots):
+        module, attr = slot.locations[0]
+        value = getattr(module, attr)
+        if tuple(value.shape) != tuple(slot.shape):
+            raise RuntimeError(
+                f"summon_full_params(writeback=True): parameter '{slot.name}' has shape "
+                f"{tuple(value.shape)} at exit but {tuple(slot.shape)} was summoned; edit "
+                "parameters in place (shapes cannot change under fsdp_lite)"
+            )
+        values[i] = value.detach()
+    write_shard(flat.shard, flat, values)
+    if flat.is_unsharded:  # reshard_after_forward=False kept the full buffer: refresh it
+        flat.reshard()
+        flat.unshard()
+
+
+def _uninstall(saved: _Saved) -> None:
+    for module, attr, previous in saved:
+        module._parameters.pop(attr, None)
+        if previous is not None:
+            module.__dict__[attr] = previous
