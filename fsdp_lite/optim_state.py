@@ -27,6 +27,7 @@ parameter's shape for every parameter of a flat param is sharded.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -168,8 +169,8 @@ def load_full_optim_state_dict(
         keys = flat_state_keys(e, kinds)
         state: dict[str, Any] = {}
         for key, (sharded, dtype, value) in keys.items():
-            if not sharded:
-                state[key] = value
+            if not sharded:  # a copy per flat param: AdamW increments step in place
+                state[key] = copy.deepcopy(value)
                 continue
             values = {i: osd["state"][n][key] for i, n in enumerate(e.names)} if is_source else {}
             if rank0_only:
@@ -258,7 +259,24 @@ def apply_shard_state(
         index += len(ids)
         hyper = {k: v for k, v in saved_groups[gi].items() if k != "params"}
         groups.append({**hyper, "params": ids})
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    previous = [dict(optimizer.state.get(p, {})) for p in params]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    _keep_storage(optimizer, params, previous)
+
+
+@torch.no_grad()
+def _keep_storage(optimizer: torch.optim.Optimizer, params: list, previous: list[dict]) -> None:
+    """Copy loaded state into the tensors it replaces, where they match: state that has a
+    home of its own (memory-mapped by SSD offload, pinned) keeps it."""
+    for p, old_state in zip(params, previous, strict=True):
+        new_state = optimizer.state.get(p, {})
+        for key, old in old_state.items():
+            new = new_state.get(key)
+            same = torch.is_tensor(old) and torch.is_tensor(new) and new is not old
+            if same and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device):
+                old.copy_(new)
+                new_state[key] = old
 
 
 def check_known(entries: list[FlatEntry], names: Any) -> None:

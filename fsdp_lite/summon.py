@@ -52,12 +52,16 @@ def summon_full_params(
     keep = not rank0_only or collectives.rank(root.process_group) == 0
     flats = [flat for unit in units for flat in unit._flat_params]
     saved: list[_Saved] = []
+    # Refuse forward inside with the state error, before the root's forward looks around.
+    hooks = [unit.register_forward_pre_hook(_refuse_forward) for unit in units]
     for unit in units:
         unit._state = TrainingState.SUMMON_FULL_PARAMS
     try:
         for flat in flats:
             saved.append(_install_full(flat, keep, offload_to_cpu))
         _restore_param_order(saved)
+        if keep:  # hide the shards: inside, parameters() yields the originals only
+            saved.append(_hide_shards(units))
         yield
         if writeback:
             for flat in flats:
@@ -67,6 +71,12 @@ def summon_full_params(
             _uninstall(entries)
         for unit in units:
             unit._state = TrainingState.IDLE
+        for hook in hooks:
+            hook.remove()
+
+
+def _refuse_forward(unit: FSDPModule, args: object) -> None:
+    check_state(unit._unit_name, unit._state, TrainingState.IDLE, doing="run forward")
 
 
 @torch.no_grad()
@@ -85,6 +95,16 @@ def _install_full(flat: FlatParam, keep: bool, offload_to_cpu: bool) -> _Saved:
             saved.append((module, attr, module.__dict__.pop(attr, None)))
             module._parameters[attr] = param  # a tie: one Parameter at every location
     return saved
+
+
+def _hide_shards(units: list[FSDPModule]) -> _Saved:
+    hidden: _Saved = []
+    for unit in units:
+        shards = {id(flat.shard) for flat in unit._flat_params}
+        for name, param in list(unit._parameters.items()):
+            if id(param) in shards:
+                hidden.append((unit, name, unit._parameters.pop(name)))
+    return hidden
 
 
 def _restore_param_order(saved: list[_Saved]) -> None:
@@ -120,5 +140,7 @@ def _write_back(flat: FlatParam) -> None:
 def _uninstall(saved: _Saved) -> None:
     for module, attr, previous in saved:
         module._parameters.pop(attr, None)
-        if previous is not None:
+        if isinstance(previous, nn.Parameter):  # a hidden shard
+            module._parameters[attr] = previous
+        elif previous is not None:
             module.__dict__[attr] = previous

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 from typing import Any
 
@@ -66,7 +67,7 @@ def named_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     """A plain optimizer's state_dict with parameter names in place of indices."""
     name_of = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    sd = optimizer.state_dict()
+    sd = copy.deepcopy(optimizer.state_dict())  # it holds the live state tensors
     state = {name_of[id(params[i])]: dict(s) for i, s in sd["state"].items()}
     groups = [
         {
