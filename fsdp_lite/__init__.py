@@ -8,6 +8,7 @@ from fsdp_lite.checkpoint import (
     checkpoint_wrapper,
     make_viewless_tensor,
 )
+from fsdp_lite.collectives import DivergenceError, PeerError, set_divergence_check
 from fsdp_lite.fsdp import FSDPModule
 from fsdp_lite.offload import CPUOffload, SSDOffload, offload_optimizer_state
 from fsdp_lite.optim_state import full_optim_state_dict, load_full_optim_state_dict
@@ -15,6 +16,9 @@ from fsdp_lite.save_load import CheckpointError, load_checkpoint, save_checkpoin
 from fsdp_lite.state import FSDPStateError, TrainingState
 
 __all__ = [
+    "DivergenceError",
+    "PeerError",
+    "set_divergence_check",
     "CPUOffload",
     "SSDOffload",
     "offload_optimizer_state",

@@ -8,8 +8,11 @@ the seam tests patch to observe what crosses the wire.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,6 +28,28 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class DivergenceError(RuntimeError):
+    """Ranks were about to issue (or issued) different collectives; raised on every rank."""
+
+
+class PeerError(RuntimeError):
+    """A collective failed because a peer rank died or stopped responding."""
+
+
+@contextlib.contextmanager
+def _peer_errors(op: str, unit: str | None) -> Iterator[None]:
+    try:
+        yield
+    except (DivergenceError, PeerError):
+        raise
+    except RuntimeError as e:  # DistBackendError, gloo/NCCL errors and timeouts
+        raise PeerError(
+            f"fsdp_lite: {op} of unit '{unit}' failed: a peer rank is gone or did not respond "
+            f"within the process group's timeout (set it with init_process_group(timeout=...)). "
+            f"The backend said: {e}"
+        ) from e
+
+
 class Handle:
     """An in-flight collective. ``wait()`` blocks (gloo) or makes the current CUDA stream
     wait (NCCL) until it is done, and records the time it was exposed."""
@@ -35,20 +60,22 @@ class Handle:
         self.device = device
 
     def wait(self) -> None:
-        if self.work is None:
+        work, self.work = self.work, None  # waited for at most once, even if it fails
+        if work is None:
             return
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            self.work.wait()
+            with _peer_errors("waiting for a collective", self.unit):
+                work.wait()
             end.record()
             accounting.record_cuda_wait(self.unit, start, end)
         else:
             t0 = time.perf_counter()
-            self.work.wait()
+            with _peer_errors("waiting for a collective", self.unit):
+                work.wait()
             accounting.record_wait(self.unit, time.perf_counter() - t0)
-        self.work = None
 
 
 def require_initialized(what: str = "fsdp_lite.FSDPModule") -> None:
@@ -108,8 +135,10 @@ def all_gather_flat(
     if world_size(group) == 1:
         output.copy_(shard)
         return Handle(None, unit, output.device)
+    GUARD.before("all_gather", unit, output, group)
     accounting.record_collective("all_gather", output, unit)
-    work = _all_gather_flat(output, shard, group=group, async_op=True)
+    with _peer_errors("all_gather", unit):
+        work = _all_gather_flat(output, shard, group=group, async_op=True)
     handle = Handle(work, unit, output.device)
     if not async_op:
         handle.wait()
@@ -128,8 +157,10 @@ def reduce_scatter_flat(
     if world_size(group) == 1:
         output.copy_(full)
         return Handle(None, unit, output.device)
+    GUARD.before("reduce_scatter", unit, full, group)
     accounting.record_collective("reduce_scatter", full, unit)
-    work = _reduce_scatter_flat(output, full, group=group, async_op=True)
+    with _peer_errors("reduce_scatter", unit):
+        work = _reduce_scatter_flat(output, full, group=group, async_op=True)
     return Handle(work, unit, output.device)
 
 
@@ -137,16 +168,21 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op: str = "sum") -> No
     """In-place all-reduce with ``op`` in {"sum", "max"}."""
     if world_size(group) == 1:
         return
+    GUARD.before("all_reduce", None, tensor, group)
     accounting.record_collective("all_reduce", tensor, None)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    with _peer_errors("all_reduce", None):
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        dist.all_reduce(tensor, op=reduce_op, group=group)
 
 
 def broadcast(tensor: torch.Tensor, group: ProcessGroup, src_rank: int = 0) -> None:
     """In-place broadcast from the group's rank ``src_rank``."""
     if world_size(group) == 1:
         return
+    GUARD.before("broadcast", None, tensor, group)
     accounting.record_collective("broadcast", tensor, None)
-    dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)
+    with _peer_errors("broadcast", None):
+        dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)
 
 
 def barrier(group: ProcessGroup) -> None:
@@ -175,3 +211,104 @@ def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
 def global_ranks(group: ProcessGroup) -> list[int]:
     """The global rank of each of ``group``'s ranks, in group rank order (no communication)."""
     return [dist.get_global_rank(group, r) for r in range(world_size(group))]
+
+
+# -- divergence detection ---------------------------------------------------------
+# [Note: divergence check]
+# Every counted collective extends a running fingerprint (op, unit, element count) and a
+# log of the current iteration. "cheap" (the default): at each root forward the ranks
+# compare last iteration's fingerprints with one two-element all-reduce; during the first
+# two iterations they also check every collective before issuing it. "thorough": every
+# collective is checked before it is issued, so ranks about to diverge raise instead of
+# hanging. "off": nothing. Set with FSDP_LITE_CHECK or set_divergence_check().
+
+_OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4}
+CHECK_MODES = ("off", "cheap", "thorough")
+
+
+class _Guard:
+    def __init__(self) -> None:
+        self.mode = os.environ.get("FSDP_LITE_CHECK", "cheap")
+        if self.mode not in CHECK_MODES:
+            raise ValueError(f"FSDP_LITE_CHECK must be one of {CHECK_MODES}, got {self.mode!r}")
+        self.iteration = 0
+        self.fingerprint = 0
+        self.log: list[tuple[str, str, int]] = []  # this iteration's collectives
+        self._busy = False  # the check's own collectives are not checked
+
+    def before(self, op: str, unit: str | None, tensor: torch.Tensor, group: ProcessGroup) -> None:
+        if self.mode == "off" or self._busy:
+            return
+        entry = (op, unit or "-", tensor.numel())
+        if self.mode == "thorough" or self.iteration < 2:
+            self._compare(entry, group)
+        self.log.append(entry)
+        self.fingerprint = zlib.crc32(repr(entry).encode(), self.fingerprint)
+
+    def _compare(self, entry: tuple[str, str, int], group: ProcessGroup) -> None:
+        code = [_OPS[entry[0]], zlib.crc32(entry[1].encode()), entry[2]]
+        mine = torch.tensor(code, dtype=torch.int64)
+        everyone = torch.empty(world_size(group) * 3, dtype=torch.int64)
+        self._busy = True
+        try:
+            with _peer_errors(f"checking {entry[0]}", entry[1]):
+                _all_gather_flat(everyone, mine, group=group)
+            if bool((everyone.view(-1, 3) == mine).all()):
+                return
+            entries = all_gather_object(entry, group)
+        finally:
+            self._busy = False
+        about_to = "; ".join(
+            f"rank {r}: {op} of unit '{u}' ({n} elements)" for r, (op, u, n) in enumerate(entries)
+        )
+        raise DivergenceError(
+            f"fsdp_lite: ranks were about to issue different collectives ({about_to}). A unit "
+            "ran on some ranks but not others, or in a different order: make every rank run "
+            "the same units in the same order (no data-dependent skipping of wrapped modules)"
+        )
+
+    def end_iteration(self, group: ProcessGroup) -> None:
+        """At the root's forward: compare the last iteration's fingerprints across ranks."""
+        if self.mode == "off" or world_size(group) == 1:
+            self.iteration += 1
+            return
+        both = torch.tensor([self.fingerprint, -self.fingerprint], dtype=torch.int64)
+        self._busy = True
+        try:
+            with _peer_errors("checking the last iteration", None):
+                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            differ = int(both[0]) != -int(both[1])
+            logs = all_gather_object(self.log, group) if differ else None
+        finally:
+            self._busy = False
+        self.iteration += 1
+        self.fingerprint, self.log = 0, []
+        if logs is not None:
+            raise DivergenceError(_describe_divergence(logs))
+
+
+def _describe_divergence(logs: list) -> str:
+    length = max(len(log) for log in logs)
+    for i in range(length):
+        seen = [log[i] if i < len(log) else None for log in logs]
+        if len(set(seen)) > 1:
+            per_rank = "; ".join(
+                f"rank {r}: " + (f"{e[0]} of unit '{e[1]}' ({e[2]} elements)" if e else "nothing")
+                for r, e in enumerate(seen)
+            )
+            return (
+                f"fsdp_lite: in the last iteration the ranks' collective #{i} differed "
+                f"({per_rank}); their results are not to be trusted. A unit ran on some ranks "
+                "but not others, or in a different order: make every rank run the same units"
+            )
+    return "fsdp_lite: the ranks' collectives differed in the last iteration"
+
+
+GUARD = _Guard()
+
+
+def set_divergence_check(mode: str) -> None:
+    """``"cheap"`` (default), ``"thorough"`` (check before every collective) or ``"off"``."""
+    if mode not in CHECK_MODES:
+        raise ValueError(f"divergence check must be one of {CHECK_MODES}, got {mode!r}")
+    GUARD.mode = mode

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -20,9 +21,15 @@ from fsdp_lite import state_dict as _state_dict
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.checkpoint import CheckpointWrapper
 from fsdp_lite.flat_param import FlatParam
+from fsdp_lite.grads import nonfinite_units, total_norm
 from fsdp_lite.offload import CPUOffload, DeviceHome, SSDOffload
 from fsdp_lite.state import TrainingState, check_state
-from fsdp_lite.unit_init import build_flat_params, prepare_buffers, region_modules
+from fsdp_lite.unit_init import (
+    build_flat_params,
+    check_wrappable,
+    install_fp32_modules,
+    prepare_buffers,
+)
 from fsdp_lite.wrap import Policy, apply_policy
 
 DEFAULT_PREFETCH = PrefetchPolicy()
@@ -75,7 +82,7 @@ class FSDPModule(nn.Module):
         *,
         _defer_params: frozenset[int] = frozenset(),
     ) -> None:
-        _check_wrappable(module, mixed_precision)
+        check_wrappable(module, mixed_precision)
         collectives.require_initialized()
         super().__init__()
         self.module = module
@@ -119,7 +126,7 @@ class FSDPModule(nn.Module):
                     functools.partial(_post_accumulate, weakref.ref(self), weakref.ref(flat))
                 )
         prepare_buffers(self, module, sync_module_states)
-        _install_fp32_modules(module, mixed_precision)
+        install_fp32_modules(module, mixed_precision)
         module.__dict__["_fsdp_lite_wrapped"] = True
         self._state = TrainingState.IDLE
         self._sync_grads = True  # False inside no_sync()
@@ -141,15 +148,18 @@ class FSDPModule(nn.Module):
             runtime.pre_backward(self)
             self._use_full_params()
             return self.module(*args, **kwargs)
-        check_state(self._unit_name, self._state, TrainingState.IDLE, doing="run forward")
         ctx = self._ctx
         if self._is_root:
-            ctx.forward_order.start()
-        with record_function("fsdp_lite::unshard"):
-            self._state = TrainingState.FORWARD
-            runtime.unshard_with_prefetch(self, backward=False)
-            self._use_full_params()
+            runtime.recover_if_interrupted(ctx)
+        check_state(self._unit_name, self._state, TrainingState.IDLE, doing="run forward")
+        self._state = TrainingState.FORWARD
         try:
+            if self._is_root:
+                collectives.GUARD.end_iteration(self.process_group)
+                ctx.forward_order.start()
+            with record_function("fsdp_lite::unshard"):
+                runtime.unshard_with_prefetch(self, backward=False)
+                self._use_full_params()
             output = self.module(*args, **kwargs)
         except BaseException:
             self._reshard()
@@ -186,30 +196,38 @@ class FSDPModule(nn.Module):
                 unit._sync_grads = True
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Scale shard grads so their total norm over all ranks is at most ``max_norm``.
 
         Returns the total norm before clipping (an fp32 scalar tensor, equal on every rank).
+        A non-finite norm (overflow, NaN) is reported with the units it comes from: raised
+        with ``error_if_nonfinite``, else warned about, leaving the grads unscaled so the
+        caller can skip the step: ``if torch.isfinite(norm): optimizer.step()``.
         """
         units = self._units()
         for unit in units:
             check_state(unit._unit_name, unit._state, TrainingState.IDLE, doing="clip_grad_norm_")
         grads = [f.shard.grad for u in units for f in u._flat_params if f.shard.grad is not None]
-        norm_type = float(norm_type)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        if norm_type == float("inf"):
-            for g in grads:
-                total = torch.maximum(total, g.abs().max().float().to(self.device))
-            collectives.all_reduce(total, self.process_group, op="max")
-        else:
-            for g in grads:  # sum of |g|^p: fp32 norm() over millions of elements drifts
-                total += g.float().abs().pow(norm_type).sum().to(self.device)
-            collectives.all_reduce(total, self.process_group, op="sum")
-            total = total ** (1.0 / norm_type)
+        total = total_norm(grads, float(norm_type), self.device, self.process_group)
+        if not torch.isfinite(total):
+            bad = nonfinite_units(units, self.device, self.process_group)
+            msg = f"fsdp_lite: the gradient norm is {total.item()}; non-finite grads in {bad}"
+            if error_if_nonfinite:
+                raise RuntimeError(msg)
+            warnings.warn(msg + "; gradients left unscaled, skip this step", stacklevel=2)
+            return total
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device, g.dtype))
         return total
+
+    def reset_training_state(self) -> None:
+        """After an exception inside backward: return every unit to IDLE, resharded, with no
+        reduction in flight. (The root's next forward does this by itself, with a warning.)"""
+        if self._ctx is not None:
+            runtime.reset(self._ctx)
 
     def state_dict(
         self,
@@ -352,39 +370,3 @@ def _post_accumulate(unit_ref: weakref.ref, flat_ref: weakref.ref, full: torch.T
 
 def _wrap_child(child: nn.Module, defer: set[int], **kwargs: Any) -> FSDPModule:
     return FSDPModule(child, _defer_params=frozenset(defer), **kwargs)
-
-
-def _check_wrappable(module: nn.Module, mixed_precision: MixedPrecision | None) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"FSDPModule wraps an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule) or module.__dict__.get("_fsdp_lite_wrapped"):
-        raise ValueError(
-            f"{type(module).__name__} is already wrapped by fsdp_lite.FSDPModule: "
-            "wrap each module once (nest units by wrapping children first, then the parent)"
-        )
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError(
-            f"mixed_precision must be fsdp_lite.MixedPrecision or None, got {mixed_precision!r}"
-        )
-    devices = {str(p.device) for p in module.parameters()}
-    if len(devices) > 1:
-        raise ValueError(
-            f"{type(module).__name__}'s parameters sit on different devices ({sorted(devices)}): "
-            "move the module to one device (e.g. module.to('cpu')) before wrapping; "
-            "FSDPModule then moves it to its compute device"
-        )
-
-
-def _install_fp32_modules(module: nn.Module, mp: MixedPrecision | None) -> None:
-    """Make modules of ``mp.fp32_module_types`` take fp32 inputs and return ``param_dtype``."""
-    if mp is None or mp.param_dtype == torch.float32:
-        return
-    for sub in region_modules(module):
-        if isinstance(sub, mp.fp32_module_types):
-            sub.register_forward_pre_hook(
-                lambda m, args, kwargs: runtime.cast_floats((args, kwargs), torch.float32),
-                with_kwargs=True,
-            )
-            sub.register_forward_hook(
-                lambda m, args, out, dtype=mp.param_dtype: runtime.cast_floats(out, dtype)
-            )

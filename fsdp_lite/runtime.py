@@ -7,7 +7,9 @@ between states.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +97,33 @@ def unshard_with_prefetch(unit: FSDPModule, backward: bool) -> None:
             flat.unshard(async_op=True)
     for flat in unit._flat_params:
         flat.wait_unshard()
+
+
+def reset(ctx: RootContext) -> None:
+    """Forget an interrupted iteration: every unit resharded and IDLE, nothing in flight."""
+    for pending in ctx.pending:
+        with contextlib.suppress(Exception):
+            pending.work.wait()
+    ctx.pending.clear()
+    for unit in ctx.units:
+        unit._reshard()
+        unit._state = TrainingState.IDLE
+    ctx.prefetched.clear()
+    ctx.callback_queued = False
+
+
+def recover_if_interrupted(ctx: RootContext) -> None:
+    """At the root's forward: if the last backward never finished (an exception inside it),
+    reset, so the new iteration starts clean."""
+    if in_backward():
+        return
+    if ctx.callback_queued or any(u._state is not TrainingState.IDLE for u in ctx.units):
+        warnings.warn(
+            "fsdp_lite: the previous backward did not finish (did it raise?); resetting every "
+            "unit to IDLE and dropping its unfinished gradient reductions",
+            stacklevel=3,
+        )
+        reset(ctx)
 
 
 def end_of_root_forward(ctx: RootContext) -> None:

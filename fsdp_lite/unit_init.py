@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_lite import collectives
+from fsdp_lite import collectives, runtime
+from fsdp_lite.api import MixedPrecision
 from fsdp_lite.flat_param import FlatParam, ParamSlot
 from fsdp_lite.state_dict import clean_named_modules
 from fsdp_lite.wrap import unowned_parameters
@@ -110,6 +113,8 @@ def build_flat_params(
         for slot in flat.slots:
             for sub, attr in slot.locations:
                 delattr(sub, attr)
+        for slot, p in members:
+            _forget_original(p, slot.name)
         # Leave shape-correct (storage-less) views at the original attributes.
         flat.full_data.untyped_storage().resize_(flat.full_nbytes)
         with torch.no_grad():
@@ -136,3 +141,77 @@ def prepare_buffers(unit: FSDPModule, module: nn.Module, sync: bool) -> None:
             if buf.is_floating_point() and not keep:
                 buf = buf.to(mp.buffer_dtype)
             sub._buffers[name] = buf
+
+
+def check_wrappable(module: nn.Module, mixed_precision: MixedPrecision | None) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"FSDPModule wraps an nn.Module, got {type(module).__name__}")
+    from fsdp_lite.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule) or module.__dict__.get("_fsdp_lite_wrapped"):
+        raise ValueError(
+            f"{type(module).__name__} is already wrapped by fsdp_lite.FSDPModule: "
+            "wrap each module once (nest units by wrapping children first, then the parent)"
+        )
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision must be fsdp_lite.MixedPrecision or None, got {mixed_precision!r}"
+        )
+    devices = {str(p.device) for p in module.parameters()}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{type(module).__name__}'s parameters sit on different devices ({sorted(devices)}): "
+            "move the module to one device (e.g. module.to('cpu')) before wrapping; "
+            "FSDPModule then moves it to its compute device"
+        )
+
+
+def install_fp32_modules(module: nn.Module, mp: MixedPrecision | None) -> None:
+    """Make modules of ``mp.fp32_module_types`` take fp32 inputs and return ``param_dtype``."""
+    if mp is None or mp.param_dtype == torch.float32:
+        return
+    for sub in region_modules(module):
+        if isinstance(sub, mp.fp32_module_types):
+            sub.register_forward_pre_hook(
+                lambda m, args, kwargs: runtime.cast_floats((args, kwargs), torch.float32),
+                with_kwargs=True,
+            )
+            sub.register_forward_hook(
+                lambda m, args, out, dtype=mp.param_dtype: runtime.cast_floats(out, dtype)
+            )
+
+
+# -- originals after flattening ----------------------------------------------------
+# An optimizer built over the module's parameters *before* wrapping would step tensors
+# nothing uses any more: silently, no training. The originals are emptied (so they hold
+# no memory) and remembered, and every optimizer's first step checks it holds none.
+
+_FLATTENED: dict[int, tuple[weakref.ref, str]] = {}  # id(original) -> (ref, name)
+_CHECKED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
+_hook_installed = False
+
+
+def _forget_original(p: nn.Parameter, name: str) -> None:
+    global _hook_installed
+    if not _hook_installed:
+        register_optimizer_step_pre_hook(_check_optimizer)
+        _hook_installed = True
+    key = id(p)
+    _FLATTENED[key] = (weakref.ref(p, lambda _, key=key: _FLATTENED.pop(key, None)), name)
+    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    p.grad = None
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    if optimizer in _CHECKED_OPTIMIZERS:
+        return
+    _CHECKED_OPTIMIZERS.add(optimizer)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _FLATTENED.get(id(p))
+            if entry is not None and entry[0]() is p:
+                raise RuntimeError(
+                    f"this {type(optimizer).__name__} holds '{entry[1]}', an original parameter "
+                    "that fsdp_lite.FSDPModule flattened into a shard: it would step a tensor "
+                    "nothing uses. Build the optimizer after wrapping, from model.parameters()"
+                )

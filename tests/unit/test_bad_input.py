@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -100,3 +102,72 @@ def test_policy_validation() -> None:
         fsdp_lite.wrap.by_size(0)
     with pytest.raises(TypeError):
         fsdp_lite.wrap.any_of()
+
+
+def test_optimizer_built_before_wrapping(world1) -> None:
+    module = nn.Linear(3, 3)
+    early = torch.optim.SGD(module.parameters(), lr=0.1)
+    model = fsdp_lite.FSDPModule(module)
+    model(torch.ones(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="'weight', an original parameter .* after wrapping"):
+        early.step()
+    late = torch.optim.SGD(model.parameters(), lr=0.1)
+    late.step()  # the rule, followed
+
+
+def test_nonfinite_grad_norm_reported_with_unit(world1) -> None:
+    model = fsdp_lite.FSDPModule(
+        nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)),
+        auto_wrap_policy=fsdp_lite.wrap.by_type(nn.Linear),
+    )
+    model(torch.tensor([[1.0, float("inf"), 0.0]])).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.warns(UserWarning, match=r"non-finite grads in \['0'"):
+        norm = model.clip_grad_norm_(1.0)
+    assert not torch.isfinite(norm)
+    for p, g in zip(model.parameters(), grads, strict=True):  # left unscaled
+        assert torch.equal(p.grad.nan_to_num(), g.nan_to_num())
+    with pytest.raises(RuntimeError, match="gradient norm is"):
+        model.clip_grad_norm_(1.0, error_if_nonfinite=True)
+
+
+class _FailsInBackward(torch.autograd.Function):
+    fail = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailsInBackward.fail:
+            raise RuntimeError("injected backward failure")
+        return grad
+
+
+class _Fails(nn.Module):
+    def forward(self, x):
+        return _FailsInBackward.apply(x)
+
+
+def test_exception_in_backward_leaves_model_usable(world1) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), _Fails(), nn.Linear(4, 1))
+    model = fsdp_lite.FSDPModule(
+        copy.deepcopy(plain), auto_wrap_policy=fsdp_lite.wrap.by_type(nn.Linear)
+    )
+    x = torch.randn(5, 3)
+    with pytest.raises(RuntimeError, match="injected backward failure"):
+        model(x).sum().backward()  # fails between the two units' backward
+    assert model.training_state is not fsdp_lite.TrainingState.IDLE  # stuck mid-backward
+    _FailsInBackward.fail = False
+    with pytest.warns(UserWarning, match="previous backward did not finish"):
+        out = model(x)
+    out.sum().backward()
+    plain(x).sum().backward()
+    for unit in model._units():
+        assert unit.training_state is fsdp_lite.TrainingState.IDLE
+        assert all(f.full_data.untyped_storage().size() == 0 for f in unit._flat_params)
+    got = fsdp_lite.state_dict.full_grads(model)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name], p.grad)  # no stale gradient from the failed step

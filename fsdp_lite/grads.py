@@ -1,0 +1,46 @@
+"""Gradient norms over every shard of every rank (for clip_grad_norm_)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fsdp_lite import collectives
+
+if TYPE_CHECKING:
+    from fsdp_lite.fsdp import FSDPModule
+
+
+def total_norm(
+    grads: list[torch.Tensor], p: float, device: torch.device, group: collectives.ProcessGroup
+) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if p == float("inf"):
+        for g in grads:
+            total = torch.maximum(total, g.abs().max().float().to(device))
+        collectives.all_reduce(total, group, op="max")
+        return total
+    for g in grads:  # sum of |g|^p: fp32 norm() over millions of elements drifts
+        total += g.float().abs().pow(p).sum().to(device)
+    collectives.all_reduce(total, group, op="sum")
+    return total ** (1.0 / p)
+
+
+def nonfinite_units(
+    units: list[FSDPModule], device: torch.device, group: collectives.ProcessGroup
+) -> list[str]:
+    """Names of the units with a non-finite grad on any rank (collective)."""
+    flags = torch.tensor(
+        [
+            any(
+                f.shard.grad is not None and not bool(torch.isfinite(f.shard.grad).all())
+                for f in u._flat_params
+            )
+            for u in units
+        ],
+        dtype=torch.float32,
+        device=device,
+    )
+    collectives.all_reduce(flags, group, op="max")
+    return [u._unit_name for u, bad in zip(units, flags.tolist(), strict=True) if bad]
