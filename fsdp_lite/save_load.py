@@ -297,14 +297,14 @@ def load_checkpoint(
     check_idle(model, "load a checkpoint")
     path = _existing_checkpoint(os.fspath(path))
     keys = _read_metadata(path).state_dict_metadata
-    if optimizer is not None and "optim.param_groups" not in keys:
-        raise CheckpointError(f"{path} holds no optimizer state (saved without optimizer=)")
     rank = collectives.rank(model.process_group)
     extra_key = f"extra.rank{rank}" if f"extra.rank{rank}" in keys else "extra.rank0"
     after: list[Callable] = []
     with _quiet_sharded_tensor():
         dest, apply_model = _model_dest(model, keys, after)
         apply_optim = None
+        if optimizer is not None and "optim.param_groups" not in keys:
+            raise CheckpointError(f"{path} holds no optimizer state (saved without optimizer=)")
         if optimizer is not None:
             optim_dest, apply_optim = _optim_dest(model, optimizer, keys, after)
             dest.update(optim_dest)
