@@ -4,6 +4,7 @@ A checkpoint is a ``torch.distributed.checkpoint`` (DCP) directory. Every rank w
 only its own shards -- nothing is gathered -- and any world size reads it back. Keys:
 
     model.<key>               every key of ``model.state_dict()``, original shapes, fp32
+                              (buffers, replicated, as rank 0 holds them)
     optim.param_groups        [{hyperparameters..., "params": [parameter names]}]
     optim.state.<name>.<key>  e.g. ``exp_avg`` with the parameter's shape, ``step``
     extra.rank<r>             the ``extra`` rank r passed to ``save_checkpoint``
@@ -224,7 +225,11 @@ def save_checkpoint(
         dcp.save(
             items,
             storage_writer=dcp.FileSystemWriter(tmp),
-            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            planner=DefaultSavePlanner(
+                flatten_state_dict=False,
+                flatten_sharded_tensors=False,
+                dedup_save_to_lowest_rank=True,  # replicated values (buffers): rank 0's
+            ),
             process_group=group,
         )
     _on_rank0(group, _publish, tmp, path)

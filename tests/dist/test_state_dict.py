@@ -1,12 +1,13 @@
 """Full state dicts: the unwrapped module's keys, order and values; loading both ways;
-clear errors that load nothing."""
+clear errors that load nothing; rank0_only in both directions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from cases import gpt, token_batch, wrap_blocks, wrap_stages
+from cases import cross_tied_gpt, frozen_gpt, gpt, token_batch, wrap_blocks, wrap_stages
 
+import fsdp_lite
 from fsdp_lite.testing import ConvNet, run_distributed
 
 
@@ -41,6 +42,38 @@ def _roundtrip(rank: int, world: int) -> None:
                 torch.testing.assert_close(_out(model(x)), _out(plain(x)), rtol=1e-5, atol=1e-6)
     _errors(rank, world)
     _sync_module_states(rank, world)
+    _rank0_only(rank, world)
+
+
+def _rank0_only(rank: int, world: int) -> None:
+    """rank0_only both ways: only rank 0 holds a dict; the others get {} and pass {}.
+    Tied (in and across units), frozen, buffers, mixed precision (the dict stays fp32)."""
+    bf16 = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    cases = [
+        (gpt, wrap_blocks, {}),
+        (cross_tied_gpt, wrap_blocks, {}),
+        (frozen_gpt, wrap_blocks, {}),
+        (gpt, wrap_blocks, {"mixed_precision": bf16}),
+        (ConvNet, wrap_stages, {"mixed_precision": bf16}),
+    ]
+    for make, wrap, kwargs in cases:
+        torch.manual_seed(0)
+        plain = make()
+        if make is ConvNet:
+            plain.stage2[1].running_var.fill_(2.5)  # buffers travel by broadcast too
+        model = wrap(make(), **kwargs)
+        model.load_state_dict(plain.state_dict() if rank == 0 else {}, rank0_only=True)
+        got = model.state_dict(rank0_only=True)
+        if rank == 0:
+            _assert_same(got, plain.state_dict())
+        else:
+            assert got == {}
+        _assert_same(model.state_dict(), plain.state_dict())  # every rank got rank 0's values
+    good = plain.state_dict()
+    bad = {k: v for k, v in good.items() if k != "head.bias"}
+    with pytest.raises(RuntimeError, match=r"nothing was loaded.*missing keys: \['head.bias'\]"):
+        model.load_state_dict(bad if rank == 0 else {}, rank0_only=True)  # raised on every rank
+    _assert_same(model.state_dict(), good)
 
 
 def _sync_module_states(rank: int, world: int) -> None:
