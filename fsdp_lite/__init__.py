@@ -11,6 +11,7 @@ from fsdp_lite.checkpoint import (
 from fsdp_lite.collectives import DivergenceError, PeerError, set_divergence_check
 from fsdp_lite.fsdp import FSDPModule
 from fsdp_lite.offload import CPUOffload, SSDOffload, offload_optimizer_state
+from fsdp_lite.offload_model import OffloadModel
 from fsdp_lite.optim_state import full_optim_state_dict, load_full_optim_state_dict
 from fsdp_lite.save_load import CheckpointError, load_checkpoint, save_checkpoint
 from fsdp_lite.state import FSDPStateError, TrainingState
@@ -26,6 +27,7 @@ __all__ = [
     "FSDPModule",
     "FSDPStateError",
     "MixedPrecision",
+    "OffloadModel",
     "PrefetchPolicy",
     "TrainingState",
     "apply_activation_checkpointing",
