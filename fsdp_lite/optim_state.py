@@ -110,24 +110,31 @@ def full_optim_state_dict(
     state: dict[str, dict[str, Any]] = {}
     for e in entries:
         for key, value in e.state.items():
-            if is_sharded(value, e.flat):
-                full = torch.empty(e.flat.padded_numel, dtype=value.dtype, device=value.device)
-                collectives.all_gather_flat(full, value.detach(), e.flat.group)
-            if not keep:
-                continue
-            for slot, name in zip(e.flat.slots, e.names, strict=True):
-                if is_sharded(value, e.flat):
-                    piece = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                    state.setdefault(name, {})[key] = piece.to("cpu", copy=True)
-                elif torch.is_tensor(value):
-                    state.setdefault(name, {})[key] = value.detach().to("cpu", copy=True)
-                else:
-                    state.setdefault(name, {})[key] = value
+            _consolidate(e, key, value, state if keep else None)
     if not keep:
         return {}
     order = list(param_names(root).values())
     state = {n: state[n] for n in order if n in state}
     return {"state": state, "param_groups": group_records(optimizer, entries)}
+
+
+def _consolidate(e: FlatEntry, key: str, value: Any, state: dict | None) -> None:
+    """Cut one state value of a flat param into per-parameter CPU values in ``state``
+    (``None``: only take part in the gather). The gathered copy dies on return."""
+    sharded = is_sharded(value, e.flat)
+    if sharded:
+        full = torch.empty(e.flat.padded_numel, dtype=value.dtype, device=value.device)
+        collectives.all_gather_flat(full, value.detach(), e.flat.group)
+    if state is None:
+        return
+    for slot, name in zip(e.flat.slots, e.names, strict=True):
+        if sharded:
+            piece = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            state.setdefault(name, {})[key] = piece.to("cpu", copy=True)
+        elif torch.is_tensor(value):
+            state.setdefault(name, {})[key] = value.detach().to("cpu", copy=True)
+        else:
+            state.setdefault(name, {})[key] = value
 
 
 def _check_same_state_layout(entries: list[FlatEntry], group: collectives.ProcessGroup) -> None:
@@ -159,14 +166,17 @@ def load_full_optim_state_dict(
     entries = optimizer_entries(root, optimizer)
     group = root.process_group
     is_source = not rank0_only or collectives.rank(group) == 0
-    layout = _layout(osd) if is_source else None
-    if rank0_only:
+    layout = _layout_or_error(osd) if is_source else None
+    if rank0_only:  # every rank raises the same error, none waits for rank 0
         layout = collectives.broadcast_object(layout, group)
+    if isinstance(layout, Exception):
+        raise layout
     groups, kinds = layout
     check_known(entries, kinds)
+    check_groups(optimizer, entries, groups)
+    layouts = [flat_state_keys(e, kinds) for e in entries]  # all checks before any write
     per_flat = []
-    for e in entries:
-        keys = flat_state_keys(e, kinds)
+    for e, keys in zip(entries, layouts, strict=True):
         state: dict[str, Any] = {}
         for key, (sharded, dtype, value) in keys.items():
             if not sharded:  # a copy per flat param: AdamW increments step in place
@@ -175,11 +185,28 @@ def load_full_optim_state_dict(
             values = {i: osd["state"][n][key] for i, n in enumerate(e.names)} if is_source else {}
             if rank0_only:
                 values = broadcast_slots(e.flat, values, list(range(len(e.names))), dtype)
-            shard = torch.zeros(e.flat.shard_numel, dtype=dtype, device=e.flat.shard.device)
-            write_shard(shard, e.flat, values)
-            state[key] = shard
+            state[key] = _state_tensor(optimizer, e, key, dtype)
+            write_shard(state[key], e.flat, values)
         per_flat.append(state)
     apply_shard_state(optimizer, entries, per_flat, groups)
+
+
+def _state_tensor(
+    optimizer: torch.optim.Optimizer, e: FlatEntry, key: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Where to load a sharded state value: the optimizer's own tensor when it has a
+    matching one (no second copy of the optimizer state), else a new one."""
+    current = optimizer.state.get(e.flat.shard, {}).get(key)
+    if torch.is_tensor(current) and current.shape == e.flat.shard.shape and current.dtype == dtype:
+        return current
+    return torch.zeros(e.flat.shard_numel, dtype=dtype, device=e.flat.shard.device)
+
+
+def _layout_or_error(osd: OptimStateDict) -> tuple | Exception:
+    try:
+        return _layout(osd)
+    except (ValueError, TypeError, AttributeError) as exc:
+        return exc
 
 
 def _layout(osd: OptimStateDict) -> tuple[list[dict], dict[str, dict[str, tuple]]]:

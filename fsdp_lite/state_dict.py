@@ -274,9 +274,16 @@ def load_full_state_dict(
     units = check_idle(root, "load a state dict")
     group = root.process_group
     is_source = not rank0_only or collectives.rank(group) == 0
-    shapes = {k: tuple(v.shape) for k, v in sd.items() if torch.is_tensor(v)} if is_source else {}
-    if rank0_only:
+    shapes: Any = {}
+    if is_source:
+        if isinstance(sd, dict):
+            shapes = {k: tuple(v.shape) for k, v in sd.items() if torch.is_tensor(v)}
+        else:
+            shapes = TypeError(f"load_state_dict needs a dict, got {type(sd).__name__}")
+    if rank0_only:  # every rank raises the same error, none waits for rank 0
         shapes = collectives.broadcast_object(shapes, group)
+    if isinstance(shapes, Exception):
+        raise shapes
     result = validate_keys(expected_shapes(root), shapes, strict, "load_state_dict")
     keys = {id(m): (f"{p}." if p else "") for p, m in clean_named_modules(root)}
     for unit in units:

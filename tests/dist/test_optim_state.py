@@ -69,10 +69,10 @@ def _optim_state(rank: int, world: int) -> None:
     trained_ref_opt.load_state_dict(ref_opt.state_dict())
     _train(fresh, fresh_opt, trained_ref, trained_ref_opt, rank, world, range(2, 4))
     assert_state_dicts(fresh.state_dict(), trained_ref.state_dict(), atol=1e-5, what="continued")
-    _errors(model, opt, want)
+    _errors(model, opt, want, rank)
 
 
-def _errors(model, opt, want) -> None:
+def _errors(model, opt, want, rank: int) -> None:
     one_group = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="2 param groups, this one 1"):
         fsdp_lite.load_full_optim_state_dict(model, one_group, want)
@@ -94,6 +94,9 @@ def _errors(model, opt, want) -> None:
         fsdp_lite.load_full_optim_state_dict(model, opt, misshapen)
     with pytest.raises(ValueError, match="not an optimizer state dict"):
         fsdp_lite.load_full_optim_state_dict(model, opt, {"exp_avg": 1})
+    with pytest.raises(ValueError, match="not an optimizer state dict"):  # on every rank
+        bad = {"exp_avg": 1} if rank == 0 else {}
+        fsdp_lite.load_full_optim_state_dict(model, opt, bad, rank0_only=True)
     other = wrap_blocks(gpt())
     with pytest.raises(ValueError, match="not a shard of this model"):
         fsdp_lite.full_optim_state_dict(model, torch.optim.AdamW(other.parameters()))
