@@ -91,6 +91,33 @@ def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
+def resolve_groups(
+    group: ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None,
+) -> tuple[ProcessGroup, ProcessGroup | None]:
+    """(shard group, replicate group or None) from FSDPModule's ``process_group`` argument."""
+    if isinstance(group, tuple):
+        if len(group) != 2 or not all(isinstance(g, ProcessGroup) for g in group):
+            raise TypeError(
+                "process_group for hybrid sharding is a (shard_group, replicate_group) pair, "
+                "e.g. fsdp_lite.hybrid_groups(ranks_per_node)"
+            )
+        return group[0], group[1]
+    return resolve_group(group), None
+
+
+def hybrid_groups(shard_size: int) -> tuple[ProcessGroup, ProcessGroup]:
+    """This rank's (shard group, replicate group) for hybrid sharding: shard within blocks of
+    ``shard_size`` consecutive ranks (a node), replicate across blocks. Call on every rank."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(
+            f"hybrid_groups: shard_size must divide the world size {world}, got {shard_size}"
+        )
+    shards = [dist.new_group(list(range(s, s + shard_size))) for s in range(0, world, shard_size)]
+    replicas = [dist.new_group(list(range(i, world, shard_size))) for i in range(shard_size)]
+    return shards[me // shard_size], replicas[me % shard_size]
+
+
 def rank(group: ProcessGroup) -> int:
     return dist.get_rank(group)
 
@@ -164,15 +191,30 @@ def reduce_scatter_flat(
     return Handle(work, unit, output.device)
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op: str = "sum") -> None:
-    """In-place all-reduce with ``op`` in {"sum", "max"}."""
+def all_reduce(
+    tensor: torch.Tensor,
+    group: ProcessGroup,
+    op: str = "sum",
+    *,
+    kind: str = "all_reduce",
+    unit: str | None = None,
+) -> None:
+    """In-place all-reduce with ``op`` in {"sum", "max"}; counted under ``kind``."""
     if world_size(group) == 1:
         return
-    GUARD.before("all_reduce", None, tensor, group)
-    accounting.record_collective("all_reduce", tensor, None)
-    with _peer_errors("all_reduce", None):
+    GUARD.before("all_reduce", unit, tensor, group)
+    accounting.record_collective(kind, tensor, unit)
+    with _peer_errors(kind, unit):
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
         dist.all_reduce(tensor, op=reduce_op, group=group)
+
+
+def broadcast_from_first(tensor: torch.Tensor, groups: list[ProcessGroup | None]) -> None:
+    """Make ``tensor`` equal on all ranks of the given groups (their first rank's value);
+    with (replicate, shard) groups, every rank ends with global rank 0's value."""
+    for group in groups:
+        if group is not None:
+            broadcast(tensor, group)
 
 
 def broadcast(tensor: torch.Tensor, group: ProcessGroup, src_rank: int = 0) -> None:

@@ -13,6 +13,7 @@ counter, so the in-place gather does not trip autograd's saved-tensor version ch
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,12 +46,16 @@ class FlatParam:
         device: torch.device,
         compute_dtype: torch.dtype,
         home: DeviceHome,
+        replicate_group: collectives.ProcessGroup | None = None,
         sync: bool = False,
     ) -> None:
         self.slots = slots
         self.group = group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
+        # Hybrid sharding: shard grads are averaged over this group after the reduce-scatter.
+        self.replicate_group = replicate_group
+        self.replicas = collectives.world_size(replicate_group) if replicate_group else 1
         self.compute_dtype = compute_dtype
         self.requires_grad = originals[0].requires_grad
         self.numel = sum(s.numel for s in slots)  # unpadded
@@ -60,15 +65,8 @@ class FlatParam:
         # that a parameter it meets was already flattened here (a tie across units).
         self.original_refs = [weakref.ref(p) for p in originals]
 
-        dtype = originals[0].dtype
         with torch.no_grad():
-            flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
-            for slot, p in zip(slots, originals, strict=True):
-                flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-            if sync:  # sync_module_states: every rank starts from rank 0's values
-                collectives.broadcast(flat, group)
-            start = self.rank * self.shard_numel
-            shard = flat[start : start + self.shard_numel].clone()
+            shard = _build_shard(self, originals, sync, device)
         # The master copy: the only tensor an optimizer sees.  shape: (shard_numel,)
         self.shard = nn.Parameter(shard, requires_grad=self.requires_grad)
         # Where the shard and its grad live between uses (device, CPU or files).
@@ -76,13 +74,13 @@ class FlatParam:
         self.device = device  # the compute device
         home.place(self)
         # Where collectives write the gathered params.  shape: (padded_numel,), storage
-        # resized to 0 while resharded.
-        self.full_data = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
-        self.full_data.untyped_storage().resize_(0)
+        # resized to 0 while resharded. Created at the first gather (nothing is allocated
+        # at wrap time), then kept for the life of the unit.
+        self.full_data: torch.Tensor | None = None
         # The autograd leaf the module's views hang off; same storage as full_data.
-        self.full = torch.empty(0, dtype=compute_dtype, device=device)
-        self.full.data = self.full_data
-        self.full.requires_grad_(self.requires_grad)
+        self.full: torch.Tensor | None = None
+        # Called with the full gradient once it is complete (the unit's post-backward).
+        self.post_accumulate_hook: Callable[[torch.Tensor], None] | None = None
         # fp32 sum of gradients kept unreduced under no_sync.  shape: (padded_numel,)
         self.unsharded_grad: torch.Tensor | None = None
         # An all-gather in flight into full_data, and its send buffer (kept alive until done).
@@ -96,11 +94,24 @@ class FlatParam:
 
     @property
     def is_unsharded(self) -> bool:
-        return self.full_data.untyped_storage().size() > 0
+        return self.full_data is not None and self.full_data.untyped_storage().size() > 0
 
     @property
     def full_nbytes(self) -> int:
-        return self.padded_numel * self.full_data.element_size()
+        return self.padded_numel * self.compute_dtype.itemsize
+
+    def _allocate_full(self) -> None:
+        if self.full_data is None:
+            self.full_data = torch.empty(
+                self.padded_numel, dtype=self.compute_dtype, device=self.device
+            )
+            self.full = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+            self.full.data = self.full_data
+            self.full.requires_grad_(self.requires_grad)
+            if self.requires_grad and self.post_accumulate_hook is not None:
+                self.full.register_post_accumulate_grad_hook(self.post_accumulate_hook)
+        else:
+            self.full_data.untyped_storage().resize_(self.full_nbytes)
 
     def unshard(self, async_op: bool = False) -> None:
         """Cast the shard to the compute dtype and all-gather it into the full buffer.
@@ -112,7 +123,7 @@ class FlatParam:
             if not async_op:
                 self.wait_unshard()
             return
-        self.full_data.untyped_storage().resize_(self.full_nbytes)
+        self._allocate_full()
         accounting.full_allocated(id(self), self.unit_key, self.full_nbytes)
         with torch.no_grad():
             send = self.home.shard_for_gather(self).to(self.compute_dtype)
@@ -158,6 +169,14 @@ class FlatParam:
             for module, attr in slot.locations:
                 setattr(module, attr, view)
 
+    def use_placeholders(self) -> None:
+        """Until the first gather: storage-less meta tensors of the right shape and dtype
+        at every original location (so shapes can be inspected, and nothing is allocated)."""
+        for slot in self.slots:
+            placeholder = torch.empty(slot.shape, dtype=self.compute_dtype, device="meta")
+            for module, attr in slot.locations:
+                setattr(module, attr, placeholder)
+
     def load_full(self, flat: torch.Tensor) -> None:
         """Overwrite this rank's shard from an unpadded full flat tensor (no communication)."""
         start = self.rank * self.shard_numel
@@ -170,7 +189,9 @@ class FlatParam:
 
     def take_grad(self) -> torch.Tensor | None:
         """Detach the full gradient from ``full`` (plus any no_sync accumulation), fp32-or-low."""
-        grad, self.full.grad = self.full.grad, None
+        grad = None
+        if self.full is not None:
+            grad, self.full.grad = self.full.grad, None
         if self.unsharded_grad is not None:
             acc, self.unsharded_grad = self.unsharded_grad, None
             grad = acc if grad is None else acc.add_(grad)
@@ -188,12 +209,35 @@ class FlatParam:
         if grad is None:
             return None
         with torch.no_grad():
-            # Pre-divide by W so low-precision sums cannot overflow.
+            # Pre-divide by the number of ranks averaged over, so low-precision sums
+            # cannot overflow.
             grad = grad.to(reduce_dtype)
-            grad.div_(self.world_size)
+            grad.div_(self.world_size * self.replicas)
             out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
             work = collectives.reduce_scatter_flat(out, grad, self.group, unit=self.unit_name)
         return PendingGrad(self, work, out, grad)
+
+
+def _build_shard(
+    flat: FlatParam, originals: list[nn.Parameter], sync: bool, device: torch.device
+) -> torch.Tensor:
+    """This rank's slice of the padded flat param. Without ``sync`` it is copied straight
+    from the originals, so no full-size flat buffer is ever allocated."""
+    dtype = originals[0].dtype
+    start, end = flat.rank * flat.shard_numel, (flat.rank + 1) * flat.shard_numel
+    if sync:  # sync_module_states: every rank starts from rank 0's values
+        full = torch.zeros(flat.padded_numel, dtype=dtype, device=device)
+        for slot, p in zip(flat.slots, originals, strict=True):
+            full[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        collectives.broadcast_from_first(full, [flat.replicate_group, flat.group])
+        return full[start:end].clone()
+    shard = torch.zeros(flat.shard_numel, dtype=dtype, device=device)
+    for slot, p in zip(flat.slots, originals, strict=True):
+        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+        if lo < hi:
+            piece = p.detach().reshape(-1)[lo - slot.offset : hi - slot.offset]
+            shard[lo - start : hi - start].copy_(piece)
+    return shard
 
 
 @dataclass
@@ -207,4 +251,9 @@ class PendingGrad:
 
     def finish(self) -> None:
         self.work.wait()
-        self.flat.home.accumulate_grad(self.flat, self.out)
+        flat = self.flat
+        if flat.replicate_group is not None:
+            collectives.all_reduce(
+                self.out, flat.replicate_group, kind="replicate_all_reduce", unit=flat.unit_name
+            )
+        flat.home.accumulate_grad(flat, self.out)

@@ -9,14 +9,14 @@ import contextlib
 import functools
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from fsdp_lite import collectives, runtime
+from fsdp_lite import collectives, deferred_init, runtime
 from fsdp_lite import state_dict as _state_dict
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.checkpoint import CheckpointWrapper
@@ -71,7 +71,9 @@ class FSDPModule(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        process_group: collectives.ProcessGroup | None = None,
+        process_group: collectives.ProcessGroup
+        | tuple[collectives.ProcessGroup, collectives.ProcessGroup]
+        | None = None,
         auto_wrap_policy: Policy | None = None,
         reshard_after_forward: bool | None = None,
         mixed_precision: MixedPrecision | None = None,
@@ -79,37 +81,40 @@ class FSDPModule(nn.Module):
         device: torch.device | str | int | None = None,
         prefetch: PrefetchPolicy | None = DEFAULT_PREFETCH,
         offload: CPUOffload | SSDOffload | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
         *,
         _defer_params: frozenset[int] = frozenset(),
+        _init_plan: deferred_init.InitPlan | None = None,
     ) -> None:
-        check_wrappable(module, mixed_precision)
+        check_wrappable(module, mixed_precision, prefetch, offload)
         collectives.require_initialized()
         super().__init__()
         self.module = module
-        self.process_group = collectives.resolve_group(process_group)
+        # Parameters are sharded over process_group; with hybrid sharding the shard grads
+        # are then averaged over replicate_group (None otherwise).
+        self.process_group, self.replicate_group = collectives.resolve_groups(process_group)
         self.device = collectives.default_device(device)
         self._reshard_after_forward_arg = reshard_after_forward
         self.reshard_after_forward = reshard_after_forward is not False  # resolved at lazy init
         self.mixed_precision = mixed_precision
-        if prefetch is not None and not isinstance(prefetch, PrefetchPolicy):
-            raise TypeError(f"prefetch must be fsdp_lite.PrefetchPolicy or None, got {prefetch!r}")
         self.prefetch = prefetch
-        if offload is not None and not isinstance(offload, CPUOffload | SSDOffload):
-            raise TypeError(
-                f"offload must be fsdp_lite.CPUOffload, SSDOffload or None, got {offload!r}"
-            )
         rank = collectives.rank(self.process_group)
         self._home = offload.make_home(self.device, rank) if offload else DeviceHome(self.device)
+        if _init_plan is None and deferred_init.has_meta_tensors(module):
+            _init_plan = self._plan_deferred_init(module, param_init_fn)
+        self._init_plan = _init_plan
         if auto_wrap_policy is not None:
             make_unit = functools.partial(
                 _wrap_child,
-                process_group=self.process_group,
+                process_group=process_group,
                 reshard_after_forward=reshard_after_forward,
                 mixed_precision=mixed_precision,
                 sync_module_states=sync_module_states,
                 device=self.device,
                 prefetch=prefetch,
                 offload=offload,
+                param_init_fn=param_init_fn,
+                _init_plan=_init_plan,
             )
             apply_policy(module, auto_wrap_policy, make_unit)
         self._unit_name = type(module).__name__  # refined to the module path at lazy init
@@ -119,12 +124,11 @@ class FSDPModule(nn.Module):
         )
         for i, flat in enumerate(self._flat_params):
             self.register_parameter(f"flat_param_{i}", flat.shard)
-            if flat.requires_grad:
-                # Weak references: autograd holds the hook from C++, where Python's garbage
-                # collector cannot see the cycle unit -> flat -> full -> hook -> unit.
-                flat.full.register_post_accumulate_grad_hook(
-                    functools.partial(_post_accumulate, weakref.ref(self), weakref.ref(flat))
-                )
+            # Weak references: autograd holds the hook from C++, where Python's garbage
+            # collector cannot see the cycle unit -> flat -> full -> hook -> unit.
+            flat.post_accumulate_hook = functools.partial(
+                _post_accumulate, weakref.ref(self), weakref.ref(flat)
+            )
         prepare_buffers(self, module, sync_module_states)
         install_fp32_modules(module, mixed_precision)
         module.__dict__["_fsdp_lite_wrapped"] = True
@@ -309,6 +313,17 @@ class FSDPModule(nn.Module):
             return getattr(self._modules["module"], name)
 
     # -- internals ---------------------------------------------------------------
+
+    def _plan_deferred_init(
+        self, module: nn.Module, init_fn: Callable[[nn.Module], None] | None
+    ) -> deferred_init.InitPlan:
+        def rank0_state(state: object) -> object:
+            for group in (self.replicate_group, self.process_group):
+                if group is not None:
+                    state = collectives.broadcast_object(state, group)
+            return state
+
+        return deferred_init.make_plan(module, init_fn, self.device, rank0_state)
 
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.modules() if isinstance(m, FSDPModule)]

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_lite import collectives, runtime
-from fsdp_lite.api import MixedPrecision
+from fsdp_lite import collectives, deferred_init, runtime
+from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.flat_param import FlatParam, ParamSlot
 from fsdp_lite.state_dict import clean_named_modules
 from fsdp_lite.wrap import unowned_parameters
@@ -68,6 +68,9 @@ def build_flat_params(
     (dtype, requires_grad, compute dtype), and replace them by views of the full buffer."""
     owned = _flattened_by_nested(module)
     names = {id(m): n for n, m in clean_named_modules(module)}
+    if unit._init_plan is not None:  # deferred init: this unit's modules only, now
+        for sub in region_modules(module):
+            deferred_init.materialize(sub, names.get(id(sub), "?"), unit._init_plan)
     groups: dict[tuple, list[tuple[ParamSlot, nn.Parameter]]] = {}
     slot_of: dict[int, ParamSlot] = {}
     for sub, attr, p in unowned_parameters(module):
@@ -81,6 +84,11 @@ def build_flat_params(
                 f"'{owned[id(p)][0]}'; a tied parameter must live in one unit. Do not wrap that "
                 "submodule by hand: use auto_wrap_policy, which keeps tied parameters in the "
                 "lowest unit that contains every use, or wrap a common ancestor instead"
+            )
+        if p.is_meta:
+            raise RuntimeError(
+                f"fsdp_lite: parameter '{name}' is still on the meta device: its module's "
+                "init (reset_parameters or param_init_fn) did not create it"
             )
         if not p.is_floating_point():
             raise TypeError(
@@ -108,6 +116,7 @@ def build_flat_params(
             device=unit.device,
             compute_dtype=compute_dtype,
             home=unit._home,
+            replicate_group=unit.replicate_group,
             sync=sync,
         )
         for slot in flat.slots:
@@ -115,11 +124,7 @@ def build_flat_params(
                 delattr(sub, attr)
         for slot, p in members:
             _forget_original(p, slot.name)
-        # Leave shape-correct (storage-less) views at the original attributes.
-        flat.full_data.untyped_storage().resize_(flat.full_nbytes)
-        with torch.no_grad():
-            flat.use_full_views()
-        flat.reshard()
+        flat.use_placeholders()
         flats.append(flat)
     return flats
 
@@ -136,18 +141,25 @@ def prepare_buffers(unit: FSDPModule, module: nn.Module, sync: bool) -> None:
             original.setdefault(name, buf.dtype)
             buf = buf.to(unit.device)
             if sync:
-                collectives.broadcast(buf, unit.process_group)
+                collectives.broadcast_from_first(buf, [unit.replicate_group, unit.process_group])
             keep = mp is None or mp.buffer_dtype is None or isinstance(sub, mp.fp32_module_types)
             if buf.is_floating_point() and not keep:
                 buf = buf.to(mp.buffer_dtype)
             sub._buffers[name] = buf
 
 
-def check_wrappable(module: nn.Module, mixed_precision: MixedPrecision | None) -> None:
+def check_wrappable(
+    module: nn.Module,
+    mixed_precision: MixedPrecision | None,
+    prefetch: PrefetchPolicy | None,
+    offload: object,
+) -> None:
+    """Reject bad arguments before anything is changed."""
+    from fsdp_lite.fsdp import FSDPModule
+    from fsdp_lite.offload import CPUOffload, SSDOffload
+
     if not isinstance(module, nn.Module):
         raise TypeError(f"FSDPModule wraps an nn.Module, got {type(module).__name__}")
-    from fsdp_lite.fsdp import FSDPModule
-
     if isinstance(module, FSDPModule) or module.__dict__.get("_fsdp_lite_wrapped"):
         raise ValueError(
             f"{type(module).__name__} is already wrapped by fsdp_lite.FSDPModule: "
@@ -157,7 +169,13 @@ def check_wrappable(module: nn.Module, mixed_precision: MixedPrecision | None) -
         raise TypeError(
             f"mixed_precision must be fsdp_lite.MixedPrecision or None, got {mixed_precision!r}"
         )
-    devices = {str(p.device) for p in module.parameters()}
+    if prefetch is not None and not isinstance(prefetch, PrefetchPolicy):
+        raise TypeError(f"prefetch must be fsdp_lite.PrefetchPolicy or None, got {prefetch!r}")
+    if offload is not None and not isinstance(offload, CPUOffload | SSDOffload):
+        raise TypeError(
+            f"offload must be fsdp_lite.CPUOffload, SSDOffload or None, got {offload!r}"
+        )
+    devices = {str(p.device) for p in module.parameters() if not p.is_meta}
     if len(devices) > 1:
         raise ValueError(
             f"{type(module).__name__}'s parameters sit on different devices ({sorted(devices)}): "

@@ -69,7 +69,7 @@ def _dtype_table(rank: int, world: int) -> None:
             assert set(stats["all_gather"]["dtypes"]) == {name(param_dtype), "float32"}, (mp, stats)
         for unit in model._units():
             for flat in unit._flat_params:
-                assert flat.full_data.untyped_storage().size() == 0, unit._unit_name
+                assert not flat.is_unsharded, unit._unit_name
                 assert flat.shard.numel() == -(-flat.numel // world)
                 assert flat.shard.dtype == f32 and flat.shard.grad.dtype == f32
         sd = model.state_dict()

@@ -29,7 +29,7 @@ def _assert_resharded(model) -> None:
     for unit in model._units():
         assert unit.training_state is TrainingState.IDLE, unit._unit_name
         for flat in unit._flat_params:
-            assert flat.full_data.untyped_storage().size() == 0, (
+            assert not flat.is_unsharded, (
                 f"{unit._unit_name} kept its full params"
             )
 
