@@ -8,7 +8,12 @@ from fsdp_lite.checkpoint import (
     checkpoint_wrapper,
     make_viewless_tensor,
 )
-from fsdp_lite.collectives import DivergenceError, PeerError, set_divergence_check
+from fsdp_lite.collectives import (
+    DivergenceError,
+    PeerError,
+    hybrid_groups,
+    set_divergence_check,
+)
 from fsdp_lite.fsdp import FSDPModule
 from fsdp_lite.offload import CPUOffload, SSDOffload, offload_optimizer_state
 from fsdp_lite.offload_model import OffloadModel
@@ -19,6 +24,7 @@ from fsdp_lite.state import FSDPStateError, TrainingState
 __all__ = [
     "DivergenceError",
     "PeerError",
+    "hybrid_groups",
     "set_divergence_check",
     "CPUOffload",
     "SSDOffload",

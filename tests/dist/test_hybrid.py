@@ -1,0 +1,73 @@
+"""Hybrid sharding, W=4 as 2 shard groups of 2: training equals the reference; gathers
+never leave the shard group; one all-reduce per trainable flat param crosses replicas."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import gpt, gpt_run, token_batch, wrap_blocks
+
+import fsdp_lite
+from fsdp_lite import collectives
+from fsdp_lite.testing import run_distributed
+from fsdp_lite.testing.reference import compare_training
+
+
+def _equivalence(world: int, groups) -> None:
+    mp = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16)
+    hybrid = functools.partial(wrap_blocks, process_group=groups)
+    compare_training(gpt_run("hybrid", world, wrap=hybrid))
+    compare_training(gpt_run("hybrid no_sync", world, wrap=hybrid, accumulate=2))
+    compare_training(gpt_run("hybrid clip", world, wrap=hybrid, clip=0.05))
+    compare_training(
+        gpt_run("hybrid", world, "bf16", wrap=functools.partial(hybrid, mixed_precision=mp))
+    )
+    compare_training(
+        gpt_run(
+            "hybrid sync_module_states",
+            world,
+            wrap=functools.partial(hybrid, sync_module_states=True),
+        )
+    )
+
+
+def _observed_collectives(rank: int, world: int, groups) -> None:
+    shard_group, _ = groups
+    mates = set(dist.get_process_group_ranks(shard_group))
+    gathers: list[set[int]] = []
+    original = collectives.all_gather_flat
+
+    def spy(output, shard, group, **kw):
+        gathers.append(set(dist.get_process_group_ranks(group)))
+        return original(output, shard, group, **kw)
+
+    collectives.all_gather_flat = spy
+    try:
+        model = wrap_blocks(gpt(), process_group=groups)
+        trainable = sum(f.requires_grad for u in model._units() for f in u._flat_params)
+        x, y = (t.chunk(world)[rank] for t in token_batch(world, 0))
+        for _ in range(2):
+            fsdp_lite.reset_stats()
+            model(x, y)[1].backward()
+            stats = fsdp_lite.stats()["collectives"]
+            assert stats["replicate_all_reduce"]["calls"] == trainable, stats
+            assert stats["reduce_scatter"]["calls"] == trainable, stats
+    finally:
+        collectives.all_gather_flat = original
+    assert gathers and all(g == mates for g in gathers), (mates, gathers)
+
+
+def _hybrid(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match="must divide the world size 4"):
+        fsdp_lite.hybrid_groups(3)
+    groups = fsdp_lite.hybrid_groups(2)
+    _equivalence(world, groups)
+    _observed_collectives(rank, world, groups)
+
+
+def test_hybrid_sharding_two_groups_of_two() -> None:
+    run_distributed(_hybrid, 4, timeout=600)
+
