@@ -88,20 +88,32 @@ def apply_policy(root: nn.Module, policy: Policy, make_unit: Callable) -> None:
     they are left for the lowest enclosing unit that contains every use.
     """
     locations = param_locations(root)
+    paths: dict[int, list[str]] = {}  # id(module) -> every path it is registered under
+    for name, m in root.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(name)
+    made: dict[int, nn.Module] = {}  # a module registered twice becomes one unit
 
     def visit(module: nn.Module, path: str) -> None:
         for name, child in list(module.named_children()):
+            if id(child) in made:
+                setattr(module, name, made[id(child)])
+                continue
             if _is_unit(child):
                 continue
             child_path = f"{path}{name}"
             visit(child, child_path + ".")
             if not policy(child):
                 continue
+            prefixes = [p + "." for p in paths.get(id(child), [child_path])]
             defer = {
                 id(p)
                 for _, _, p in unowned_parameters(child)
-                if any(not loc.startswith(child_path + ".") for loc in locations.get(id(p), []))
+                if any(
+                    not any(loc.startswith(pre) for pre in prefixes)
+                    for loc in locations.get(id(p), [])
+                )
             }
-            setattr(module, name, make_unit(child, defer))
+            made[id(child)] = make_unit(child, defer)
+            setattr(module, name, made[id(child)])
 
     visit(root, "")
