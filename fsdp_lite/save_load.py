@@ -56,6 +56,7 @@ from fsdp_lite import collectives
 from fsdp_lite import optim_state as _optim
 from fsdp_lite.flat_param import FlatParam
 from fsdp_lite.state_dict import (
+    boxes,
     check_idle,
     expected_shapes,
     state_dict_layout,
@@ -83,38 +84,7 @@ def _quiet_sharded_tensor():
         yield
 
 
-# -- geometry -------------------------------------------------------------------
-
-
-def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple, int]]:
-    """Elements ``[lo, hi)`` of a row-major tensor of ``shape`` as rectangular boxes
-    ``(offsets, sizes, first flat index)``, each contiguous in memory.
-
-    Worked example, shape (3, 4), elements [2, 11): ``((0, 2), (1, 2), 2)`` (row 0,
-    columns 2-3), ``((1, 0), (1, 4), 4)`` (row 1) and ``((2, 0), (1, 3), 8)``.
-    """
-    if lo >= hi:
-        return []
-    if len(shape) <= 1:
-        return [((lo,), (hi - lo,), lo)]
-    inner = math.prod(shape[1:])
-    r0, c0 = divmod(lo, inner)
-    r1, c1 = divmod(hi, inner)
-
-    def row(r: int, a: int, b: int) -> list[tuple[tuple, tuple, int]]:
-        return [((r, *o), (1, *s), r * inner + f) for o, s, f in boxes(shape[1:], a, b)]
-
-    if r0 == r1:
-        return row(r0, c0, c1)
-    out = []
-    if c0:
-        out += row(r0, c0, inner)
-        r0 += 1
-    if r1 > r0:
-        out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0, *shape[1:]), r0 * inner))
-    if c1:
-        out += row(r1, 0, c1)
-    return out
+# -- a shard as ShardedTensors ------------------------------------------------------
 
 
 def _sharded_tensor(flat: FlatParam, i: int, src: torch.Tensor) -> ShardedTensor:

@@ -110,7 +110,12 @@ def _kill_mid_save(tmp: str, point: str) -> str:
 # -- checks in fresh processes ---------------------------------------------------------
 
 
-def _resumes_like_reference(rank: int, world: int, path: str, point: str) -> None:
+def _resumes_like_reference(rank: int, world: int, paths: dict[str, str]) -> None:
+    for point, path in paths.items():
+        _resume_one(rank, world, path, point)
+
+
+def _resume_one(rank: int, world: int, path: str, point: str) -> None:
     want = torch.load(path + ".expected", weights_only=False)
     torch.manual_seed(rank + 9)
     model = wrap_blocks_and_norms(gpt())
@@ -198,8 +203,7 @@ def test_killed_save_leaves_previous_checkpoint(killed) -> None:
     assert os.path.exists(write) and os.path.exists(write + ".tmp")  # data, no .metadata
     assert not os.path.exists(os.path.join(write + ".tmp", ".metadata"))
     assert not os.path.exists(rename) and os.path.exists(rename + ".old")
-    for point, path in paths.items():
-        run_distributed(_resumes_like_reference, 2, path, point)
+    run_distributed(_resumes_like_reference, 2, paths)
 
 
 def test_partial_or_foreign_checkpoint_is_refused(killed) -> None:

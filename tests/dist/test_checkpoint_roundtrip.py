@@ -5,6 +5,7 @@ weights (within and across units), frozen parameters, buffers, mixed precision a
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 
 import fsdp_lite
 from fsdp_lite import MixedPrecision
+from fsdp_lite.state_dict import boxes
 from fsdp_lite.testing import ConvNet, run_distributed
 
 
@@ -104,3 +106,23 @@ def _read_without_fsdp_lite(path: str, plain: nn.Module, want_sd: dict, want_osd
 @pytest.mark.parametrize("world", [3])
 def test_sharded_checkpoint_roundtrip(world: int, tmp_path) -> None:
     run_distributed(_roundtrip, world, str(tmp_path))
+
+
+def test_boxes_cover_a_flat_range_exactly() -> None:
+    """Every contiguous range of every shape: disjoint boxes, each contiguous in memory,
+    together exactly the range, at most 2N-1 of them (no spawn: pure geometry)."""
+    g = torch.Generator().manual_seed(0)
+    for shape in [(7,), (3, 4), (2, 3, 5), (4, 1, 3, 2), (1, 6)]:
+        numel = math.prod(shape)
+        index = torch.arange(numel).view(shape)
+        for _ in range(60):
+            lo, hi = sorted(torch.randint(0, numel + 1, (2,), generator=g).tolist())
+            covered = []
+            found = boxes(shape, lo, hi)
+            assert len(found) <= max(1, 2 * len(shape) - 1), (shape, lo, hi, found)
+            for offsets, sizes, first in found:
+                box = index[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))]
+                flat = box.reshape(-1).tolist()
+                assert flat == list(range(first, first + len(flat))), (shape, offsets, sizes)
+                covered += flat
+            assert sorted(covered) == list(range(lo, hi)), (shape, lo, hi, found)
