@@ -1,6 +1,7 @@
 """Sharded checkpoints round-trip exactly at W=3 (uneven shards) for nested units, tied
-weights (within and across units), frozen parameters, buffers, mixed precision and a
-0-dim parameter; the files read back with plain DCP into the unwrapped model's keys."""
+weights (within and across units), frozen parameters, buffers, mixed precision, a
+0-dim parameter, and CPU and SSD offload; the files read back with plain DCP into the
+unwrapped model's keys."""
 
 from __future__ import annotations
 
@@ -88,6 +89,32 @@ def _roundtrip(rank: int, world: int, tmp: str) -> None:
         assert_optim_states(got_osd, want_osd)
         if rank == 0:
             _read_without_fsdp_lite(path, make(), want_sd, want_osd)
+    _offload_roundtrip(rank, world, tmp)
+
+
+def _offload_roundtrip(rank: int, world: int, tmp: str) -> None:
+    """Shards on CPU (compute device CPU too) or in memory-mapped files with the AdamW
+    moments: the state dict, checkpoint and optimizer state work, and loading into a
+    running optimizer keeps its moments where the offload put them."""
+    for name, offload in (("cpu", fsdp_lite.CPUOffload()), ("ssd", fsdp_lite.SSDOffload(tmp))):
+        models, opts = [], []
+        for seed in (0, rank + 1):
+            torch.manual_seed(seed)
+            plain = gpt()
+            models.append(wrap_blocks(plain, offload=offload))
+            opts.append(torch.optim.AdamW(models[-1].parameters(), lr=1e-2))
+            fsdp_lite.offload_optimizer_state(opts[-1], models[-1])
+            _loss(models[-1], "gpt", rank, world).backward()
+            opts[-1].step()
+        (model, fresh), (opt, fresh_opt) = models, opts
+        path = f"{tmp}/offload_{name}"
+        fsdp_lite.save_checkpoint(path, model, opt)
+        moments = [s["exp_avg"].data_ptr() for s in fresh_opt.state.values()]
+        fsdp_lite.load_checkpoint(path, fresh, fresh_opt)
+        assert [s["exp_avg"].data_ptr() for s in fresh_opt.state.values()] == moments, name
+        assert_state_dicts(fresh.state_dict(), model.state_dict(), what=f"{name} offload")
+        got = fsdp_lite.full_optim_state_dict(fresh, fresh_opt, rank0_only=False)
+        assert_optim_states(got, fsdp_lite.full_optim_state_dict(model, opt, rank0_only=False))
 
 
 def _read_without_fsdp_lite(path: str, plain: nn.Module, want_sd: dict, want_osd: dict) -> None:
