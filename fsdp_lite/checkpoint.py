@@ -153,12 +153,17 @@ def apply_activation_checkpointing(
     """Wrap in place every submodule of ``model`` that ``policy`` picks (outermost first;
     a picked module's descendants are not wrapped again). Returns ``model``."""
 
+    made: dict[int, nn.Module] = {}  # a module registered twice gets one wrapper
+
     def visit(module: nn.Module) -> None:
-        for name, child in list(module.named_children()):
-            if isinstance(child, CheckpointWrapper):
+        for name, child in list(module._modules.items()):
+            if child is None or isinstance(child, CheckpointWrapper):
                 continue
-            if policy(child):
-                setattr(module, name, wrapper(child))
+            if id(child) in made:
+                setattr(module, name, made[id(child)])
+            elif policy(child):
+                made[id(child)] = wrapper(child)
+                setattr(module, name, made[id(child)])
             else:
                 visit(child)
 

@@ -94,7 +94,9 @@ def apply_policy(root: nn.Module, policy: Policy, make_unit: Callable) -> None:
     made: dict[int, nn.Module] = {}  # a module registered twice becomes one unit
 
     def visit(module: nn.Module, path: str) -> None:
-        for name, child in list(module.named_children()):
+        for name, child in list(module._modules.items()):  # every registration, shared too
+            if child is None:
+                continue
             if id(child) in made:
                 setattr(module, name, made[id(child)])
                 continue

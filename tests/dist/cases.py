@@ -129,3 +129,10 @@ def wrap_by_hand(module, **kwargs) -> fsdp_lite.FSDPModule:
     for i, block in enumerate(module.blocks):
         module.blocks[i] = fsdp_lite.FSDPModule(block, **kwargs)
     return fsdp_lite.FSDPModule(module, **kwargs)
+
+
+def shared_block_gpt() -> GPT:
+    """The same Block registered at two positions: one unit, run twice per forward."""
+    model = gpt(n_layer=3)
+    model.blocks[2] = model.blocks[0]
+    return model

@@ -14,6 +14,7 @@ from cases import (
     frozen_gpt,
     gpt,
     gpt_run,
+    shared_block_gpt,
     token_batch,
     two_forwards_loss,
     wrap_blocks,
@@ -29,9 +30,7 @@ def _assert_resharded(model) -> None:
     for unit in model._units():
         assert unit.training_state is TrainingState.IDLE, unit._unit_name
         for flat in unit._flat_params:
-            assert not flat.is_unsharded, (
-                f"{unit._unit_name} kept its full params"
-            )
+            assert not flat.is_unsharded, f"{unit._unit_name} kept its full params"
 
 
 def _eval_between_steps(model, ref, step: int) -> None:
@@ -71,6 +70,7 @@ def _features(rank: int, world: int) -> dict:
         gpt_run("clip inf", world, clip=0.002, clip_norm_type=float("inf")),
         gpt_run("clip 2 bf16", world, "bf16", clip=0.05),
         gpt_run("tie across units", world, make_model=cross_tied_gpt),
+        gpt_run("block shared by two positions", world, make_model=shared_block_gpt),
         gpt_run("untied", world, make_model=functools.partial(gpt, tie_weights=False)),
         gpt_run("by hand", world, wrap=wrap_by_hand),
         gpt_run(
