@@ -5,11 +5,13 @@ a module that cannot be initialized is named in the error."""
 from __future__ import annotations
 
 import functools
+import os
 import re
+import tempfile
 
 import pytest
 import torch
-from cases import gpt, gpt_run, wrap_blocks
+from cases import gpt, gpt_run, token_batch, wrap_blocks
 from torch import nn
 
 import fsdp_lite
@@ -113,7 +115,24 @@ def _errors() -> None:
     assert model.state_dict()["1.w"].eq(1).all()
 
 
-def _deferred(rank: int, world: int) -> dict:
+def _filled_from_checkpoint(tmp: str) -> None:
+    """Meta model + no_init + load_checkpoint: the checkpoint's values, never the full model."""
+    torch.manual_seed(5)
+    trained = wrap_blocks(gpt())
+    opt = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+    trained(*token_batch(1, 0))[1].backward()
+    opt.step()
+    fsdp_lite.save_checkpoint(tmp, trained)
+    model = wrap_blocks(_meta(gpt, seed=0), param_init_fn=fsdp_lite.deferred_init.no_init)
+    fsdp_lite.load_checkpoint(tmp, model)
+    want = trained.state_dict()
+    got = model.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def _deferred(rank: int, world: int, tmp: str) -> dict:
+    _filled_from_checkpoint(tmp)
     _equals_eager(rank)
     _training(world)
     _errors()
@@ -122,4 +141,5 @@ def _deferred(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2])
 def test_meta_built_model_equals_eager_and_wraps_in_unit_sized_memory(world: int) -> None:
-    print(run_distributed(_deferred, world)[0])
+    with tempfile.TemporaryDirectory() as tmp:
+        print(run_distributed(_deferred, world, os.path.join(tmp, "ckpt"))[0])
