@@ -49,7 +49,9 @@ class FSDPModule(nn.Module):
     Args:
         module: the module to shard. It may already contain ``FSDPModule`` children
             (wrapped by hand); the outermost unit becomes the root at its first forward.
-        process_group: the ranks to shard over (default: the world group).
+        process_group: the ranks to shard over (default: the world group), or a
+            ``(shard_group, replicate_group)`` pair for hybrid sharding: shard within the
+            first, average shard grads across the second (see ``fsdp_lite.hybrid_groups``).
         auto_wrap_policy: ``policy(submodule) -> bool``; every submodule it picks becomes
             its own unit, bottom-up (see ``fsdp_lite.wrap``). Parameters tied across
             units go to the lowest unit that contains every use.
@@ -66,6 +68,10 @@ class FSDPModule(nn.Module):
             memory; the optimizer steps on CPU) or ``SSDOffload(path)`` (memory-mapped files;
             see ``offload_optimizer_state`` for the optimizer's moments). ``None``: the
             compute device.
+        param_init_fn: for a model built on the meta device, ``fn(module)`` initializes a
+            module's own parameters and buffers (default: its ``reset_parameters()``);
+            each unit materializes and initializes only its own modules (see
+            ``deferred_init.py``).
     """
 
     def __init__(
