@@ -36,9 +36,11 @@ import torch
 from fsdp_lite import collectives
 from fsdp_lite.flat_param import FlatParam
 from fsdp_lite.state_dict import (
+    broadcast_object_from_rank0,
     broadcast_slots,
     check_idle,
     flat_params,
+    is_rank0,
     param_names,
     write_shard,
 )
@@ -106,7 +108,7 @@ def full_optim_state_dict(
     entries = optimizer_entries(root, optimizer)
     group = root.process_group
     _check_same_state_layout(entries, group)
-    keep = not rank0_only or collectives.rank(group) == 0
+    keep = not rank0_only or is_rank0(root)
     state: dict[str, dict[str, Any]] = {}
     for e in entries:
         for key, value in e.state.items():
@@ -164,11 +166,10 @@ def load_full_optim_state_dict(
     """
     check_idle(root, "load an optimizer state dict")
     entries = optimizer_entries(root, optimizer)
-    group = root.process_group
-    is_source = not rank0_only or collectives.rank(group) == 0
+    is_source = not rank0_only or is_rank0(root)
     layout = _layout_or_error(osd) if is_source else None
     if rank0_only:  # every rank raises the same error, none waits for rank 0
-        layout = collectives.broadcast_object(layout, group)
+        layout = broadcast_object_from_rank0(root, layout)
     if isinstance(layout, Exception):
         raise layout
     groups, kinds = layout
@@ -184,7 +185,7 @@ def load_full_optim_state_dict(
                 continue
             values = {i: osd["state"][n][key] for i, n in enumerate(e.names)} if is_source else {}
             if rank0_only:
-                values = broadcast_slots(e.flat, values, list(range(len(e.names))), dtype)
+                values = broadcast_slots(root, e.flat, values, list(range(len(e.names))), dtype)
             state[key] = _state_tensor(optimizer, e, key, dtype)
             write_shard(state[key], e.flat, values)
         per_flat.append(state)

@@ -8,7 +8,7 @@ only its own shards -- nothing is gathered -- and any world size reads it back. 
     optim.param_groups        [{hyperparameters..., "params": [parameter names]}]
     optim.state.<name>.<key>  e.g. ``exp_avg`` with the parameter's shape, ``step``
     extra.rank<r>             the ``extra`` rank r passed to ``save_checkpoint``
-    fsdp_lite                 {"format": 1, "world_size": W, "optimizer": bool}
+    fsdp_lite                 {"format": 1, "shards": W, "optimizer": bool}
 
 so a user without fsdp_lite can read it with ``dcp.load`` into a plain model's
 ``state_dict()`` under ``model.`` keys.
@@ -181,7 +181,7 @@ def save_checkpoint(
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"save_checkpoint: extra must be a dict, got {type(extra).__name__}")
     check_idle(model, "save a checkpoint")
-    group = model.process_group
+    group = _checkpoint_group(model)
     path = os.fspath(path)
     tmp = path + ".tmp"
     with _quiet_sharded_tensor():
@@ -189,8 +189,8 @@ def save_checkpoint(
         if optimizer is not None:
             items.update(_optim_items(model, optimizer))
         items[f"extra.rank{collectives.rank(group)}"] = dict(extra or {})
-        world = collectives.world_size(group)
-        items[MARKER] = {"format": FORMAT, "world_size": world, "optimizer": optimizer is not None}
+        shards = collectives.world_size(model.process_group)
+        items[MARKER] = {"format": FORMAT, "shards": shards, "optimizer": optimizer is not None}
         _on_rank0(group, _prepare_dir, path, tmp)
         dcp.save(
             items,
@@ -203,6 +203,22 @@ def save_checkpoint(
             process_group=group,
         )
     _on_rank0(group, _publish, tmp, path)
+
+
+def _checkpoint_group(model: FSDPModule) -> collectives.ProcessGroup:
+    """The ranks that save and load together: the shard group or, with hybrid sharding,
+    every replica's ranks (each box is then written once, by one replica)."""
+    replicate = getattr(model, "replicate_group", None)
+    if replicate is None:
+        return model.process_group
+    world = collectives.resolve_group(None)
+    sizes = collectives.world_size(model.process_group) * collectives.world_size(replicate)
+    if sizes != collectives.world_size(world):
+        raise CheckpointError(
+            "hybrid sharding: checkpoints need shard and replicate groups that together span "
+            "the world (as from fsdp_lite.hybrid_groups)"
+        )
+    return world
 
 
 def _on_rank0(group: collectives.ProcessGroup, fn: Callable, *args: Any) -> None:
@@ -272,7 +288,8 @@ def load_checkpoint(
     check_idle(model, "load a checkpoint")
     path = _existing_checkpoint(os.fspath(path))
     keys = _read_metadata(path).state_dict_metadata
-    rank = collectives.rank(model.process_group)
+    group = _checkpoint_group(model)
+    rank = collectives.rank(group)
     extra_key = f"extra.rank{rank}" if f"extra.rank{rank}" in keys else "extra.rank0"
     after: list[Callable] = []
     with _quiet_sharded_tensor():
@@ -288,7 +305,7 @@ def load_checkpoint(
             dest,
             storage_reader=dcp.FileSystemReader(path),
             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-            process_group=model.process_group,
+            process_group=group,
         )
     for fn in after:
         fn()

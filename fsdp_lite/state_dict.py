@@ -69,6 +69,30 @@ def flat_params(root: FSDPModule) -> list[FlatParam]:
     return [flat for unit in root._units() for flat in unit._flat_params]
 
 
+def is_rank0(root: FSDPModule) -> bool:
+    """Rank 0 of the model's ranks: of its shard group and, with hybrid sharding, of its
+    replicate group too (global rank 0 for ``fsdp_lite.hybrid_groups``)."""
+    replicate = getattr(root, "replicate_group", None)
+    first_replica = replicate is None or collectives.rank(replicate) == 0
+    return collectives.rank(root.process_group) == 0 and first_replica
+
+
+def broadcast_from_rank0(root: FSDPModule, tensor: torch.Tensor) -> None:
+    """In place, from ``is_rank0``'s rank to every rank of the model (collective): across
+    the replicas first (between the shard groups' rank 0s), then within each shard group."""
+    replicate = getattr(root, "replicate_group", None)
+    if replicate is not None and collectives.rank(root.process_group) == 0:
+        collectives.broadcast(tensor, replicate)
+    collectives.broadcast(tensor, root.process_group)
+
+
+def broadcast_object_from_rank0(root: FSDPModule, obj: Any) -> Any:
+    replicate = getattr(root, "replicate_group", None)
+    if replicate is not None and collectives.rank(root.process_group) == 0:
+        obj = collectives.broadcast_object(obj, replicate)
+    return collectives.broadcast_object(obj, root.process_group)
+
+
 # -- where a rank's shard sits in the original parameters -------------------------
 
 
@@ -224,7 +248,7 @@ def full_state_dict(root: FSDPModule, rank0_only: bool = False) -> dict[str, tor
     copy at a time; rank 0 holds the returned CPU dict plus one flat param.
     """
     check_idle(root, "produce a state dict")
-    keep = not rank0_only or collectives.rank(root.process_group) == 0
+    keep = not rank0_only or is_rank0(root)
     values = _gather_slots(flat_params(root), grads=False, keep=keep)
     if not keep:
         return {}
@@ -304,8 +328,7 @@ def load_full_state_dict(
     the same error on a mismatch), then each flat param and buffer is broadcast in turn.
     """
     units = check_idle(root, "load a state dict")
-    group = root.process_group
-    is_source = not rank0_only or collectives.rank(group) == 0
+    is_source = not rank0_only or is_rank0(root)
     shapes: Any = {}
     if is_source:
         if isinstance(sd, dict):
@@ -313,7 +336,7 @@ def load_full_state_dict(
         else:
             shapes = TypeError(f"load_state_dict needs a dict, got {type(sd).__name__}")
     if rank0_only:  # every rank raises the same error, none waits for rank 0
-        shapes = collectives.broadcast_object(shapes, group)
+        shapes = broadcast_object_from_rank0(root, shapes)
     if isinstance(shapes, Exception):
         raise shapes
     result = validate_keys(expected_shapes(root), shapes, strict, "load_state_dict")
@@ -327,7 +350,7 @@ def load_full_state_dict(
                 continue
             values = {i: sd[k] for i, k in found.items()} if is_source else {}
             if rank0_only:
-                values = broadcast_slots(flat, values, list(found), flat.shard.dtype)
+                values = broadcast_slots(root, flat, values, list(found), flat.shard.dtype)
             write_shard(flat.shard, flat, values)
     for prefix, module in clean_named_modules(root):
         pre = f"{prefix}." if prefix else ""
@@ -337,21 +360,25 @@ def load_full_state_dict(
                 if is_source:
                     tensor.copy_(sd[pre + name])
                 if rank0_only:
-                    collectives.broadcast(tensor, group)
+                    broadcast_from_rank0(root, tensor)
     return result
 
 
 def broadcast_slots(
-    flat: FlatParam, values: dict[int, torch.Tensor], present: list[int], dtype: torch.dtype
+    root: FSDPModule,
+    flat: FlatParam,
+    values: dict[int, torch.Tensor],
+    present: list[int],
+    dtype: torch.dtype,
 ) -> dict[int, torch.Tensor]:
     """Rank 0's values of the slots in ``present`` (``values`` is read on rank 0 only), as
     views of one broadcast flat tensor of ``flat``'s unpadded size (collective)."""
     full = torch.zeros(flat.numel, dtype=dtype, device=flat.shard.device)
-    if collectives.rank(flat.group) == 0:
+    if is_rank0(root):
         for i in present:
             slot = flat.slots[i]
             full[slot.offset : slot.offset + slot.numel].copy_(values[i].reshape(-1))
-    collectives.broadcast(full, flat.group)
+    broadcast_from_rank0(root, full)
     return {i: full[flat.slots[i].offset :][: flat.slots[i].numel] for i in present}
 
 

@@ -17,10 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from fsdp_lite import collectives
 from fsdp_lite.flat_param import FlatParam
 from fsdp_lite.state import TrainingState, check_state
-from fsdp_lite.state_dict import write_shard
+from fsdp_lite.state_dict import is_rank0, write_shard
 
 if TYPE_CHECKING:
     from fsdp_lite.fsdp import FSDPModule
@@ -49,7 +48,7 @@ def summon_full_params(
     units = root._units() if recurse else [root]
     for unit in units:
         check_state(unit._unit_name, unit._state, TrainingState.IDLE, doing="summon_full_params")
-    keep = not rank0_only or collectives.rank(root.process_group) == 0
+    keep = not rank0_only or is_rank0(root)
     flats = [flat for unit in units for flat in unit._flat_params]
     saved: list[_Saved] = []
     # Refuse forward inside with the state error, before the root's forward looks around.

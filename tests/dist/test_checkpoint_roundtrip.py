@@ -153,3 +153,41 @@ def test_boxes_cover_a_flat_range_exactly() -> None:
                 assert flat == list(range(first, first + len(flat))), (shape, offsets, sizes)
                 covered += flat
             assert sorted(covered) == list(range(lo, hi)), (shape, lo, hi, found)
+
+
+def _hybrid(rank: int, world: int, tmp: str) -> None:
+    """W=4 as 2 replicas x 2 shards: 'rank 0' is global rank 0 for rank0_only paths; a
+    checkpoint writes each box once and loads into plain W=4 sharding."""
+    groups = fsdp_lite.hybrid_groups(2)
+    torch.manual_seed(0)
+    plain = gpt()
+    model = wrap_blocks(copy.deepcopy(plain), process_group=groups)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _loss(model, "gpt", rank, world).backward()
+    opt.step()
+    want_sd = model.state_dict()
+    want_osd = fsdp_lite.full_optim_state_dict(model, opt, rank0_only=False)
+    got = model.state_dict(rank0_only=True)
+    assert (got == {}) == (rank != 0), rank
+    got_osd = fsdp_lite.full_optim_state_dict(model, opt)
+    assert (got_osd == {}) == (rank != 0), rank
+    fsdp_lite.save_checkpoint(f"{tmp}/hybrid", model, opt, extra={"rank": rank})
+    for fresh_groups in (groups, None):  # hybrid again, and plain sharding over all 4
+        torch.manual_seed(rank + 1)
+        fresh = wrap_blocks(gpt(), process_group=fresh_groups)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        assert fsdp_lite.load_checkpoint(f"{tmp}/hybrid", fresh, fresh_opt) == {"rank": rank}
+        assert_state_dicts(fresh.state_dict(), want_sd, what=f"hybrid -> {fresh_groups}")
+        got = fsdp_lite.full_optim_state_dict(fresh, fresh_opt, rank0_only=False)
+        assert_optim_states(got, want_osd)
+    torch.manual_seed(rank + 1)
+    fresh = wrap_blocks(gpt(), process_group=groups)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh.load_state_dict(want_sd if rank == 0 else {}, rank0_only=True)
+    fsdp_lite.load_full_optim_state_dict(fresh, fresh_opt, got_osd, rank0_only=True)
+    assert_state_dicts(fresh.state_dict(), want_sd, what="rank0_only into hybrid")
+    assert_optim_states(fsdp_lite.full_optim_state_dict(fresh, fresh_opt, False), want_osd)
+
+
+def test_hybrid_sharding_checkpoint_and_rank0_only(tmp_path) -> None:
+    run_distributed(_hybrid, 4, str(tmp_path), timeout=600)
