@@ -117,7 +117,8 @@ def recover_if_interrupted(ctx: RootContext) -> None:
     reset, so the new iteration starts clean."""
     if in_backward():
         return
-    if ctx.callback_queued or any(u._state is not TrainingState.IDLE for u in ctx.units):
+    in_backward_states = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+    if ctx.callback_queued or any(u._state in in_backward_states for u in ctx.units):
         warnings.warn(
             "fsdp_lite: the previous backward did not finish (did it raise?); resetting every "
             "unit to IDLE and dropping its unfinished gradient reductions",

@@ -6,6 +6,7 @@ Run many cases inside one spawn: spawning costs seconds, a case milliseconds.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue
 import tempfile
@@ -35,7 +36,9 @@ def _worker(fn, rank: int, world_size: int, init_file: str, results, args, timeo
             timeout=datetime.timedelta(seconds=timeout),
         )
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        buffer = io.BytesIO()  # tensors travel as bytes: shared memory dies with this process
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -78,7 +81,7 @@ def run_distributed(
         failures.append(f"--- ranks {hung} hung or died without a report (killed) ---")
     if failures:
         raise DistributedTestError(f"{fn.__name__} on {world_size} ranks:\n" + "\n".join(failures))
-    return [reports[r][1] for r in range(world_size)]
+    return [torch.load(io.BytesIO(reports[r][1]), weights_only=False) for r in range(world_size)]
 
 
 def _collect(results, procs, timeout: float) -> dict[int, tuple[bool, Any]]:

@@ -45,3 +45,14 @@ def test_reports_failing_rank_with_traceback_and_kills_peer() -> None:
 def test_kills_hung_rank_after_timeout() -> None:
     with pytest.raises(DistributedTestError, match=r"ranks \[1\] hung"):
         run_distributed(_rank1_hangs, 2, timeout=20)
+
+
+def _returns_tensor(rank: int, world: int):
+    import torch
+
+    return {"rank": rank, "t": torch.full((3,), float(rank))}
+
+
+def test_tensors_come_back_from_ranks() -> None:
+    got = run_distributed(_returns_tensor, 2)
+    assert [r["t"].tolist() for r in got] == [[0.0] * 3, [1.0] * 3]
