@@ -71,3 +71,56 @@ def _hybrid(rank: int, world: int) -> None:
 def test_hybrid_sharding_two_groups_of_two() -> None:
     run_distributed(_hybrid, 4, timeout=600)
 
+
+GLOBAL_BATCH = 8
+
+
+def _step(model, opt, world: int, rank: int, step: int) -> float:
+    x, y = (t.chunk(world)[rank] for t in token_batch(world, step, GLOBAL_BATCH // world))
+    loss = model(x, y)[1]
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    return loss.item() / world
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-6)
+
+
+def _train_hybrid_and_save(rank: int, world: int, path: str) -> None:
+    torch.manual_seed(1234)
+    model = wrap_blocks(gpt(), process_group=fsdp_lite.hybrid_groups(2))
+    opt = _adamw(model.parameters())
+    for step in range(3):
+        _step(model, opt, world, rank, step)
+    fsdp_lite.save_checkpoint(path, model, opt)
+
+
+def _resume_fully_sharded(rank: int, world: int, path: str) -> None:
+    torch.manual_seed(1234)
+    ref = gpt()
+    ref_opt = _adamw(ref.parameters())
+    model = wrap_blocks(gpt())
+    opt = _adamw(model.parameters())
+    fsdp_lite.load_checkpoint(path, model, opt)
+    for step in range(6):
+        x, y = token_batch(1, step, GLOBAL_BATCH)
+        want = ref(x, y)[1]
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step >= 3:
+            got = _step(model, opt, world, rank, step)
+            assert abs(got - want.item()) <= 1e-5 * want.item(), (step, got, want.item())
+    got_sd, want_sd = model.state_dict(), ref.state_dict()
+    for k in want_sd:
+        torch.testing.assert_close(got_sd[k], want_sd[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_checkpoint_saved_hybrid_resumes_fully_sharded_at_w2(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_distributed(_train_hybrid_and_save, 4, path, timeout=600)
+    run_distributed(_resume_fully_sharded, 2, path, timeout=600)
