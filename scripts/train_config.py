@@ -1,0 +1,319 @@
+"""The training script's configuration: dataclasses, YAML, ``--set`` overrides, validation.
+
+A run is a YAML file of sections (``model``, ``train``, ``fsdp``, ``data``, ``checkpoint``,
+``log``, ``debug``) plus ``--set section.key=value`` overrides, values parsed as YAML.
+Everything is checked before any process group exists: unknown keys, wrong types, bad
+values, and world sizes the run cannot use each raise :class:`ConfigError` naming the key.
+
+``python scripts/train_config.py`` prints the table of keys that the README carries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("fp32", "bf16", "fp16")
+WRAPS = ("block", "size", "none")
+OFFLOADS = ("none", "cpu", "ssd")
+
+
+class ConfigError(ValueError):
+    """A config key is unknown or its value is invalid; the message names the key."""
+
+
+def opt(default: Any, doc: str) -> Any:
+    """A config field: its default and the one line the README table shows for it."""
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = opt(4, "transformer blocks")
+    n_head: int = opt(4, "attention heads; must divide `n_embd`")
+    n_embd: int = opt(64, "embedding width")
+    block_size: int = opt(64, "sequence length in tokens (characters)")
+    dropout: float = opt(0.0, "dropout probability, in [0, 1)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(300, "optimizer steps in the whole run")
+    batch_size: int = opt(16, "sequences per rank per micro-step")
+    global_batch_size: int | None = opt(
+        None, "sequences per optimizer step over all ranks; sets `grad_accum` (null: unset)"
+    )
+    grad_accum: int = opt(1, "micro-steps per optimizer step (all but the last under `no_sync`)")
+    lr: float = opt(1e-3, "peak learning rate (AdamW)")
+    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = opt(20, "linear warmup steps")
+    weight_decay: float = opt(0.1, "AdamW weight decay")
+    grad_clip: float = opt(1.0, "max total grad norm; 0 disables clipping (the norm is logged)")
+    seed: int = opt(1337, "initial weights, data order and dropout")
+    log_every: int = opt(25, "steps between printed lines (TensorBoard gets every step)")
+
+
+@dataclass
+class FSDPConfig:
+    mixed_precision: str = opt(
+        "fp32", "fp32, bf16 or fp16 (loss-scaled) compute and gathers; grads reduce in fp32"
+    )
+    reshard_after_forward: bool | None = opt(
+        None, "null: free full params after forward in every unit but the root; true/false: all"
+    )
+    wrap: str = opt("block", "units: `block` (one per transformer block), `size` or `none`")
+    wrap_min_params: int = opt(100_000, "`wrap: size`: a module becomes a unit at this many params")
+    activation_checkpointing: bool = opt(False, "recompute each block's activations in backward")
+    prefetch: int = opt(2, "units gathered ahead in forward and backward (0: no prefetch)")
+    offload: str = opt("none", "where shards, grads and optimizer state live: none, cpu or ssd")
+    offload_dir: str | None = opt(
+        None, "`offload: ssd` directory (null: `$TMPDIR/fsdp_lite_<name>`)"
+    )
+    shard_size: int | None = opt(
+        None, "hybrid sharding: shard within groups of this many ranks, replicate across"
+    )
+    timeout_s: float = opt(120.0, "process-group timeout: a silent peer fails the job after it")
+
+
+@dataclass
+class DataConfig:
+    path: str | None = opt(None, "a UTF-8 text file to train on (null: the synthetic corpus)")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = opt(None, "where checkpoints go (null: `checkpoints/<name>`)")
+    every: int = opt(0, "steps between checkpoints, plus one at the end (0: none)")
+    keep: int = opt(2, "most recent checkpoints kept (0: all)")
+    resume: str = opt(
+        "never",
+        "`never`, `auto` (the latest complete checkpoint, if any) or a checkpoint path; "
+        "`--resume [PATH]` sets it; torchrun restarts always resume `auto`",
+    )
+
+
+@dataclass
+class LogConfig:
+    dir: str = opt("runs", "TensorBoard event files go to `<dir>/<name>`")
+    tensorboard: bool = opt(True, "write TensorBoard scalars (rank 0)")
+    progress: bool | None = opt(None, "tqdm progress bar (null: when stderr is a terminal)")
+
+
+@dataclass
+class DebugConfig:
+    crash_at_step: int = opt(
+        0, "SIGKILL one rank in this step of the first attempt, to test restarts (0: off)"
+    )
+    crash_rank: int | None = opt(None, "the rank `crash_at_step` kills (null: the last rank)")
+
+
+@dataclass
+class Config:
+    name: str | None = opt(None, "run name (null: the config file's stem)")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# -- reading -----------------------------------------------------------------------
+
+
+def _coerce(key: str, value: object, tp: object) -> object:
+    """Check ``value`` against the annotation ``tp`` (int, float, bool, str or X | None)."""
+    allowed = typing.get_args(tp) or (tp,)
+    if value is None and type(None) in allowed:
+        return None
+    if float in allowed:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                return float(value)
+    for t in allowed:
+        if t is not type(None) and isinstance(value, t):
+            if not (t is int and isinstance(value, bool)):
+                return value
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    raise ConfigError(f"{key} must be {names}, got {value!r}")
+
+
+def _build(cls: type, raw: object, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in hints:
+            known = ", ".join(prefix + k for k in hints)
+            raise ConfigError(f"unknown key '{prefix}{key}' (known: {known})")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(prefix + key, value, tp)
+    return cls(**kwargs)
+
+
+def _apply_overrides(raw: dict, overrides: list[str]) -> None:
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        *sections, leaf = key.strip().split(".")
+        if not sep or not leaf or len(sections) > 1 or not all(sections):
+            raise ConfigError(f"--set expects section.key=value (or name=value), got {item!r}")
+        target = raw.setdefault(sections[0], {}) if sections else raw
+        if not isinstance(target, dict):
+            raise ConfigError(f"--set {item!r}: '{sections[0]}' is not a section")
+        try:
+            target[leaf] = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {e}") from e
+
+
+# -- checking ----------------------------------------------------------------------
+
+
+def _value_checks(cfg: Config) -> list[tuple[str, bool, str]]:
+    """(key, ok, requirement) for every value that must hold whatever the world size."""
+    m, t, f, c, d = cfg.model, cfg.train, cfg.fsdp, cfg.checkpoint, cfg.debug
+    return [
+        ("name", bool(cfg.name) and "/" not in cfg.name, "a non-empty name without '/'"),
+        ("model.n_layer", m.n_layer >= 1, ">= 1"),
+        ("model.n_head", m.n_head >= 1, ">= 1"),
+        ("model.n_embd", m.n_embd >= 1 and m.n_embd % m.n_head == 0, "a multiple of n_head"),
+        ("model.block_size", m.block_size >= 1, ">= 1"),
+        ("model.dropout", 0.0 <= m.dropout < 1.0, "in [0, 1)"),
+        ("train.steps", t.steps >= 1, ">= 1"),
+        ("train.batch_size", t.batch_size >= 1, ">= 1"),
+        ("train.global_batch_size", (t.global_batch_size or 1) >= 1, ">= 1 or null"),
+        ("train.grad_accum", t.grad_accum >= 1, ">= 1"),
+        ("train.lr", t.lr > 0, "> 0"),
+        ("train.min_lr", 0 <= t.min_lr <= t.lr, "in [0, train.lr]"),
+        ("train.warmup_steps", t.warmup_steps >= 0, ">= 0"),
+        ("train.weight_decay", t.weight_decay >= 0, ">= 0"),
+        ("train.grad_clip", t.grad_clip >= 0, ">= 0 (0 disables clipping)"),
+        ("train.log_every", t.log_every >= 1, ">= 1"),
+        ("fsdp.mixed_precision", f.mixed_precision in DTYPES, " or ".join(DTYPES)),
+        ("fsdp.wrap", f.wrap in WRAPS, " or ".join(WRAPS)),
+        ("fsdp.wrap_min_params", f.wrap_min_params >= 1, ">= 1"),
+        ("fsdp.prefetch", f.prefetch >= 0, ">= 0 (0 disables prefetching)"),
+        ("fsdp.offload", f.offload in OFFLOADS, " or ".join(OFFLOADS)),
+        ("fsdp.shard_size", (f.shard_size or 1) >= 1, ">= 1 or null"),
+        ("fsdp.timeout_s", f.timeout_s > 0, "> 0"),
+        ("checkpoint.every", c.every >= 0, ">= 0 (0: no checkpoints)"),
+        ("checkpoint.keep", c.keep >= 0, ">= 0 (0: keep all)"),
+        ("checkpoint.resume", bool(c.resume), "never, auto or a checkpoint path"),
+        ("debug.crash_at_step", 0 <= d.crash_at_step <= t.steps, "in [0, train.steps]"),
+        ("debug.crash_rank", (d.crash_rank or 0) >= 0, ">= 0 or null"),
+    ]
+
+
+def _fail(cfg: Config, key: str, requirement: str) -> typing.NoReturn:
+    value = functools.reduce(getattr, key.split("."), cfg)
+    raise ConfigError(f"{key} must be {requirement}, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    """Values that are wrong whatever the world size."""
+    for key, ok, requirement in _value_checks(cfg):
+        if not ok:
+            _fail(cfg, key, requirement)
+    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
+        _fail(cfg, "data.path", "an existing text file")
+    if cfg.checkpoint.resume not in ("never", "auto") and not Path(cfg.checkpoint.resume).is_dir():
+        _fail(cfg, "checkpoint.resume", "never, auto or an existing checkpoint directory")
+    if cfg.debug.crash_at_step and not cfg.checkpoint.every:
+        raise ConfigError("debug.crash_at_step needs checkpoint.every > 0 to restart from")
+
+
+def check_world(cfg: Config, world_size: int) -> None:
+    """Settings the given world size cannot run; resolves ``train.grad_accum`` from
+    ``train.global_batch_size``. (The corpus is checked in ``train_data.load_data``.)"""
+    t, f = cfg.train, cfg.fsdp
+    where = f"with {world_size} rank(s)"
+    if f.shard_size is not None and world_size % f.shard_size:
+        raise ConfigError(
+            f"fsdp.shard_size={f.shard_size} must divide the world size {world_size}: hybrid "
+            "sharding needs equal shard groups (use e.g. the number of GPUs per node)"
+        )
+    if t.global_batch_size is not None:
+        per_micro = t.batch_size * world_size
+        accum, rest = divmod(t.global_batch_size, per_micro)
+        if rest or not accum:
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+                f"train.batch_size x world size = {t.batch_size} x {world_size} = {per_micro} "
+                f"{where}"
+            )
+        if t.grad_accum not in (1, accum):
+            raise ConfigError(
+                f"train.grad_accum={t.grad_accum} contradicts train.global_batch_size="
+                f"{t.global_batch_size} {where} (which needs {accum}); set only one of them"
+            )
+        t.grad_accum = accum
+    crash_rank = cfg.debug.crash_rank
+    if cfg.debug.crash_at_step and crash_rank is not None and crash_rank >= world_size:
+        raise ConfigError(f"debug.crash_rank={crash_rank} does not exist {where}")
+
+
+def load_config(path: str, overrides: list[str], world_size: int | None = None) -> Config:
+    """Read ``path``, apply ``--set a.b=value`` overrides, validate; with ``world_size``
+    also check that this many ranks can run it."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path} must be a mapping of sections, got {raw!r}")
+    _apply_overrides(raw, overrides)
+    cfg = _build(Config, raw, "")
+    cfg.name = cfg.name if cfg.name is not None else Path(path).stem
+    validate(cfg)
+    if world_size is not None:
+        check_world(cfg, world_size)
+    return cfg
+
+
+# -- documentation -----------------------------------------------------------------
+
+
+def config_keys() -> list[tuple[str, Any, str]]:
+    """(dotted key, default, meaning) of every config key, in declaration order."""
+    rows = []
+
+    def visit(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            if "doc" in f.metadata:
+                rows.append((prefix + f.name, f.default, f.metadata["doc"]))
+            else:
+                visit(f.default_factory, f"{prefix}{f.name}.")
+
+    visit(Config, "")
+    return rows
+
+
+def markdown_table() -> str:
+    def show(value: Any) -> str:
+        return "null" if value is None else yaml.safe_dump(value).removesuffix("\n...\n").strip()
+
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{k}` | `{show(v)}` | {doc} |" for k, v, doc in config_keys()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table() + "\n")

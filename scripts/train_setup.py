@@ -1,0 +1,209 @@
+"""The training script's setup: process group, the wrapped model, schedule, loss scaling.
+
+``build_model`` is the one place that composes fsdp_lite's features, in torchtitan's
+order: activation checkpointing per block, then a unit per block (or by size), then the
+root, with the offload, prefetch, mixed-precision and hybrid-sharding policies the
+config picks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import sys
+import tempfile
+import typing
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from train_config import Config, ConfigError, TrainConfig
+
+import fsdp_lite
+from fsdp_lite.testing.models import GPT, Block, GPTConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init_distributed(timeout_s: float) -> Dist:
+    """NCCL + cuda:LOCAL_RANK if CUDA is available, else gloo + CPU; one rank without torchrun.
+
+    ``timeout_s`` bounds every collective: a peer that stopped answering fails the job
+    after it (a peer that died is usually noticed at once: its sockets close)."""
+    cuda = torch.cuda.is_available()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if local_world > torch.cuda.device_count():
+            raise ConfigError(
+                f"{local_world} ranks per node need as many GPUs; this node has "
+                f"{torch.cuda.device_count()} (lower --nproc_per_node)"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ:  # launched by torchrun
+        dist.init_process_group(
+            backend,
+            store=_store(timeout),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+            device_id=device if cuda else None,
+        )
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    world_size = dist.get_world_size()
+    if not cuda:  # ranks share the cores
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return Dist(dist.get_rank(), world_size, device)
+
+
+def _store(timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's rendezvous store, with the keys of each restart kept apart.
+
+    [Note: restarts and the shared store]
+    By default torchrun's workers share its rendezvous TCPStore, which outlives a restart;
+    the process group keeps its keys (each rank's address) under the same names in every
+    attempt, so a restarted rank can read a dead rank's address and fail to connect
+    (pytorch/pytorch#135712, #167288). On one node every worker restarts together, so the
+    restart count names the attempt consistently and prefixes its keys. Across nodes the
+    agents' counts can differ: there ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh
+    store per attempt) is the fix, and rank 0 says so.
+    """
+    env = os.environ
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        int(env["WORLD_SIZE"]),
+        is_master=env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and env["RANK"] == "0",
+        timeout=timeout,
+    )
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", 0))
+    if shared and restarts and int(env.get("GROUP_WORLD_SIZE", 1)) > 1 and env["RANK"] == "0":
+        print(
+            "warning: torchrun --max-restarts across nodes with a shared rendezvous store: a "
+            "restart can read stale addresses; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on "
+            "every node (pytorch/pytorch#135712)",
+            file=sys.stderr,
+        )
+    if shared and int(env.get("GROUP_WORLD_SIZE", 1)) == 1:
+        return dist.PrefixStore(f"train/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    return store
+
+
+def _offload(cfg: Config) -> fsdp_lite.CPUOffload | fsdp_lite.SSDOffload | None:
+    f = cfg.fsdp
+    if f.offload == "cpu":
+        return fsdp_lite.CPUOffload()
+    if f.offload == "ssd":
+        path = f.offload_dir or os.path.join(tempfile.gettempdir(), f"fsdp_lite_{cfg.name}")
+        return fsdp_lite.SSDOffload(path)
+    return None
+
+
+def _wrap_policy(cfg: Config, gpt: GPT) -> fsdp_lite.wrap.Policy | None:
+    """Which submodules become units; activation checkpointing is applied first, so with
+    ``wrap: block`` each unit wraps a checkpointed block."""
+    unit_type: type = Block
+    if cfg.fsdp.activation_checkpointing:
+        fsdp_lite.apply_activation_checkpointing(gpt, fsdp_lite.wrap.by_type(Block))
+        unit_type = fsdp_lite.checkpoint.CheckpointWrapper
+    if cfg.fsdp.wrap == "block":
+        return fsdp_lite.wrap.by_type(unit_type)
+    if cfg.fsdp.wrap == "size":
+        return fsdp_lite.wrap.by_size(cfg.fsdp.wrap_min_params)
+    return None
+
+
+def build_model(cfg: Config, vocab_size: int, d: Dist) -> tuple[fsdp_lite.FSDPModule, int]:
+    """The wrapped GPT and its parameter count (tied weights counted once)."""
+    m, f = cfg.model, cfg.fsdp
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    gpt = GPT(GPTConfig(vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout))
+    n_params = sum(p.numel() for p in gpt.parameters())
+    dtype = DTYPES[f.mixed_precision]
+    mp = None if dtype == torch.float32 else fsdp_lite.MixedPrecision(dtype, torch.float32)
+    groups = None
+    if f.shard_size is not None and f.shard_size != d.world_size:
+        groups = fsdp_lite.hybrid_groups(f.shard_size)
+    prefetch = fsdp_lite.PrefetchPolicy(max_in_flight=f.prefetch) if f.prefetch else None
+    model = fsdp_lite.FSDPModule(
+        gpt,
+        process_group=groups,
+        auto_wrap_policy=_wrap_policy(cfg, gpt),
+        reshard_after_forward=f.reshard_after_forward,
+        mixed_precision=mp,
+        sync_module_states=True,
+        device=d.device,
+        prefetch=prefetch,
+        offload=_offload(cfg),
+    )
+    torch.manual_seed(cfg.train.seed + d.rank)  # dropout differs per rank
+    return model, n_params
+
+
+def build_optimizer(cfg: Config, model: fsdp_lite.FSDPModule) -> torch.optim.Optimizer:
+    t = cfg.train
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    if cfg.fsdp.offload == "ssd":  # moments in the shards' files too
+        fsdp_lite.offload_optimizer_state(opt, model)
+    return opt
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr``."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
+
+
+class LossScaler:
+    """Dynamic fp16 loss scaling over sharded grads (a no-op unless ``enabled``).
+
+    Overflow is read from the total grad norm, which ``clip_grad_norm_`` all-reduces, so
+    every rank skips the same steps. The scale halves on overflow and doubles after
+    ``growth_interval`` clean steps.
+    """
+
+    def __init__(self, enabled: bool, scale: float = 2.0**12, growth_interval: int = 200) -> None:
+        self.enabled = enabled
+        self.scale = scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self._clean_steps = 0  # finite steps since the last overflow
+
+    def unscale_(self, params: typing.Iterable[torch.nn.Parameter]) -> None:
+        for p in params:
+            if self.enabled and p.grad is not None:
+                p.grad.mul_(1.0 / self.scale)
+
+    def update(self, overflow: bool) -> None:
+        self._clean_steps = 0 if overflow else self._clean_steps + 1
+        if self.enabled and overflow:
+            self.scale = max(self.scale / 2.0, 1.0)
+        elif self.enabled and self._clean_steps % self.growth_interval == 0:
+            self.scale *= 2.0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "clean_steps": self._clean_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale, self._clean_steps = state["scale"], int(state["clean_steps"])

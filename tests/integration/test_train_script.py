@@ -1,0 +1,228 @@
+"""scripts/train.py under torchrun (2 gloo ranks, a tiny GPT, a few steps), and its config
+checks in-process.
+
+One uninterrupted run is the reference: a run resumed from its mid-run checkpoint, and
+a run whose rank 1 is SIGKILLed mid-step under ``torchrun --max-restarts=1``, must
+repeat its losses and end with bitwise the same parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "train.py"
+CONFIG = ROOT / "configs" / "tiny.yaml"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from train_config import ConfigError, load_config, markdown_table  # noqa: E402
+
+STEPS, EVERY = 16, 4
+TINY = [  # dropout and grad_accum on, so RNG and data position must both resume right
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "model.dropout=0.1",
+    "train.batch_size=8",
+    "train.grad_accum=2",
+    f"train.steps={STEPS}",
+    "train.lr=3e-3",
+    "train.warmup_steps=2",
+    "train.log_every=4",
+    f"checkpoint.every={EVERY}",
+    "checkpoint.keep=0",
+]
+SCALARS = {
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "comm/bytes_per_step",
+    "comm/all_gather_bytes",
+    "comm/reduce_scatter_bytes",
+    "memory/peak_bytes/rank0",
+    "memory/peak_bytes/rank1",
+    "comm/exposed_s/rank1",
+}
+
+
+def torchrun(cwd: Path, name: str, *args: str, restarts: int = 0) -> str:
+    """Run the script on 2 ranks in ``cwd``; return its output (raise if it failed)."""
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--standalone",
+        "--nproc_per_node=2",
+        f"--max-restarts={restarts}",
+        "--monitor-interval=0.5",
+        str(SCRIPT),
+        "--config",
+        str(CONFIG),
+        "--set",
+        f"name={name}",
+        *TINY,
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=180, check=False
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}"
+    return out
+
+
+def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def checkpoint_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """Model and optimizer-state tensors of a DCP checkpoint, read without any ranks."""
+    out = tmp / f"{path.parent.name}_{path.name}.pt"
+    dcp_to_torch_save(str(path), str(out))
+    saved = torch.load(out, weights_only=False)
+    return {k: v for k, v in saved.items() if k.startswith(("model.", "optim.state."))}
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"differ from the uninterrupted run: {differ}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted run; its directory holds runs/ref and checkpoints/ref."""
+    cwd = tmp_path_factory.mktemp("train")
+    out = torchrun(cwd, "ref")
+    (cwd / "ref.log").write_text(out)
+    return cwd
+
+
+def test_loss_falls_and_summary_reports_comm_against_theory(reference: Path) -> None:
+    losses = [v for _, v in scalars(reference / "runs" / "ref", "loss")]
+    assert len(losses) == STEPS
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, losses
+    summary = json.loads((reference / "runs" / "ref" / "summary.json").read_text())
+    assert summary["parameters"] > 0 and len(summary["shard_bytes_per_rank"]) == 2
+    # measured = theory up to padding to a multiple of W and the 4-byte grad-norm all-reduce
+    assert summary["comm_bytes_per_step"] == pytest.approx(summary["comm_bytes_theory"], 0.01)
+    log = (reference / "ref.log").read_text()
+    assert re.search(r"comm bytes/step .*\n\s+theory .*measured/theory 1\.0", log), log
+
+
+def test_tensorboard_events_hold_every_scalar_per_step(reference: Path) -> None:
+    acc = EventAccumulator(str(reference / "runs" / "ref"), size_guidance={"scalars": 0})
+    acc.Reload()
+    missing = SCALARS - set(acc.Tags()["scalars"])
+    assert not missing, f"missing TensorBoard scalars: {missing}"
+    assert [step for step, _ in scalars(reference / "runs" / "ref", "lr")] == list(
+        range(1, STEPS + 1)
+    )
+
+
+def test_checkpoints_are_written_every_n_steps(reference: Path) -> None:
+    steps = sorted(p.name for p in (reference / "checkpoints" / "ref").iterdir())
+    assert steps == [f"step_{s:07d}" for s in range(EVERY, STEPS + 1, EVERY)]
+    assert all((reference / "checkpoints" / "ref" / s / ".metadata").is_file() for s in steps)
+
+
+def test_resumed_run_repeats_the_uninterrupted_losses(reference: Path, tmp_path: Path) -> None:
+    mid = STEPS // 2
+    (tmp_path / "checkpoints" / "res").mkdir(parents=True)
+    shutil.copytree(
+        reference / "checkpoints" / "ref" / f"step_{mid:07d}",
+        tmp_path / "checkpoints" / "res" / f"step_{mid:07d}",
+    )
+    out = torchrun(tmp_path, "res", "--resume")
+    assert f"resumed from checkpoints/res/step_{mid:07d} at step {mid}" in out, out
+    expected = scalars(reference / "runs" / "ref", "loss")[mid:]
+    assert scalars(tmp_path / "runs" / "res", "loss") == expected
+    final = f"step_{STEPS:07d}"
+    assert_bitwise_equal(
+        checkpoint_tensors(tmp_path / "checkpoints" / "res" / final, tmp_path),
+        checkpoint_tensors(reference / "checkpoints" / "ref" / final, tmp_path),
+    )
+
+
+def test_rank_killed_under_max_restarts_ends_equal_to_uninterrupted_run(
+    reference: Path, tmp_path: Path
+) -> None:
+    crash_at = EVERY + 2  # after a checkpoint, before the next
+    out = torchrun(tmp_path, "crash", f"debug.crash_at_step={crash_at}", restarts=1)
+    assert f"resumed from checkpoints/crash/step_{EVERY:07d} at step {EVERY}" in out, out
+    # TensorBoard shows one curve: the restart purged the first attempt's later steps
+    assert scalars(tmp_path / "runs" / "crash", "loss") == scalars(
+        reference / "runs" / "ref", "loss"
+    )
+    final = f"step_{STEPS:07d}"
+    assert_bitwise_equal(
+        checkpoint_tensors(tmp_path / "checkpoints" / "crash" / final, tmp_path),
+        checkpoint_tensors(reference / "checkpoints" / "ref" / final, tmp_path),
+    )
+
+
+# -- config validation, in-process ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        (["train.stepz=3"], 2, "unknown key 'train.stepz' (known: train.steps,"),
+        (["bogus.x=1"], 2, "unknown key 'bogus'"),
+        (["train.steps=ten"], 2, "train.steps must be int, got 'ten'"),
+        (["fsdp.activation_checkpointing=3"], 2, "must be bool, got 3"),
+        (["model.n_embd=30"], 2, "model.n_embd must be a multiple of n_head, got 30"),
+        (["fsdp.offload=gpu"], 2, "fsdp.offload must be none or cpu or ssd, got 'gpu'"),
+        (["fsdp.shard_size=2"], 3, "fsdp.shard_size=2 must divide the world size 3"),
+        (
+            ["train.global_batch_size=64"],
+            3,
+            "must be a multiple of train.batch_size x world size = 16 x 3 = 48",
+        ),
+        (
+            ["debug.crash_at_step=3", "checkpoint.every=2", "debug.crash_rank=1"],
+            1,
+            "debug.crash_rank=1 does not exist with 1 rank(s)",
+        ),
+        (["train.steps"], 2, "--set expects section.key=value"),
+    ],
+)
+def test_bad_config_fails_at_start_naming_the_key(overrides, world, message) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(str(CONFIG), overrides, world_size=world)
+
+
+def test_corpus_smaller_than_a_global_batch_is_refused(tmp_path: Path) -> None:
+    from train_data import load_data
+
+    text = tmp_path / "small.txt"
+    text.write_text("hello world\n" * 60)  # 720 chars: 10 sequences of 64
+    cfg = load_config(str(CONFIG), [f"data.path={text}", "train.batch_size=4"], world_size=2)
+    load_data(cfg, world_size=2)
+    with pytest.raises(ConfigError, match=r"fewer than one global batch .* 4 x 3"):
+        load_data(cfg, world_size=3)
+
+
+def test_global_batch_size_sets_grad_accum() -> None:
+    cfg = load_config(str(CONFIG), ["train.global_batch_size=96"], world_size=3)
+    assert cfg.train.grad_accum == 2
+
+
+def test_readme_config_table_lists_every_key() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("<!-- train:begin -->")[1].split("<!-- train:end -->")[0]
+    assert markdown_table() in section, "README table is stale: python scripts/train_config.py"
