@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     try:
         train(cfg, data, d)
+    except fsdp_lite.CheckpointError as e:  # e.g. --resume from another model's checkpoint
+        print(f"rank {d.rank}: checkpoint error: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
     except (fsdp_lite.PeerError, dist.DistError) as e:
         # A peer died or hung: say so and leave at once (tearing the group down could wait
         # on the dead peer). torchrun --max-restarts restarts the job from a checkpoint.

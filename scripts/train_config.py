@@ -70,7 +70,9 @@ class FSDPConfig:
         None, "null: free full params after forward in every unit but the root; true/false: all"
     )
     wrap: str = opt("block", "units: `block` (one per transformer block), `size` or `none`")
-    wrap_min_params: int = opt(100_000, "`wrap: size`: a module becomes a unit at this many params")
+    wrap_min_params: int = opt(
+        100_000, "`wrap: size`: a module (not a ModuleList/Dict) becomes a unit at this many params"
+    )
     activation_checkpointing: bool = opt(False, "recompute each block's activations in backward")
     prefetch: int = opt(2, "units gathered ahead in forward and backward (0: no prefetch)")
     offload: str = opt("none", "where shards, grads and optimizer state live: none, cpu or ssd")

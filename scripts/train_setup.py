@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from train_config import Config, ConfigError, TrainConfig
 
 import fsdp_lite
@@ -129,7 +130,9 @@ def _wrap_policy(cfg: Config, gpt: GPT) -> fsdp_lite.wrap.Policy | None:
     if cfg.fsdp.wrap == "block":
         return fsdp_lite.wrap.by_type(unit_type)
     if cfg.fsdp.wrap == "size":
-        return fsdp_lite.wrap.by_size(cfg.fsdp.wrap_min_params)
+        by_size = fsdp_lite.wrap.by_size(cfg.fsdp.wrap_min_params)
+        # Containers have no forward of their own: a unit around one would never run.
+        return lambda m: not isinstance(m, nn.ModuleList | nn.ModuleDict) and by_size(m)
     return None
 
 

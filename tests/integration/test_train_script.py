@@ -175,6 +175,28 @@ def test_rank_killed_under_max_restarts_ends_equal_to_uninterrupted_run(
     )
 
 
+def test_feature_knobs_train_checkpoint_and_match_theoretical_comm(tmp_path: Path) -> None:
+    """bf16 gathers, activation checkpointing, SSD offload (optimizer moments too), units
+    by size, one-deep prefetch, all units resharded: trains, saves, accounts as predicted."""
+    knobs = [
+        "fsdp.mixed_precision=bf16",
+        "fsdp.activation_checkpointing=true",
+        "fsdp.offload=ssd",
+        f"fsdp.offload_dir={tmp_path / 'ssd'}",
+        "fsdp.wrap=size",
+        "fsdp.wrap_min_params=5000",
+        "fsdp.prefetch=1",
+        "fsdp.reshard_after_forward=true",
+        "train.steps=8",
+    ]
+    out = torchrun(tmp_path, "knobs", *knobs)
+    assert "2 gathers in bf16 x 2 micro-steps + 1 reduce-scatter in fp32" in out, out
+    summary = json.loads((tmp_path / "runs" / "knobs" / "summary.json").read_text())
+    assert summary["units"] > 1 and summary["last_loss"] < summary["first_loss"]
+    assert summary["comm_bytes_per_step"] == pytest.approx(summary["comm_bytes_theory"], 0.01)
+    assert (tmp_path / "checkpoints" / "knobs" / "step_0000008" / ".metadata").is_file()
+
+
 # -- config validation, in-process ---------------------------------------------------
 
 
