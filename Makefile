@@ -28,3 +28,9 @@ test: venv
 
 lint: venv
 	$(BIN)/ruff check fsdp_lite tests scripts
+
+# Side by side with PyTorch FSDP2, FSDP1 and DDP; writes BENCHMARKS.md and BENCHMARKS.json.
+#   make bench [ARGS='--steps 10 --precisions fp32']
+.PHONY: bench
+bench: venv
+	$(BIN)/python scripts/bench.py $(ARGS)

@@ -1,0 +1,351 @@
+"""Side-by-side benchmark: fsdp_lite vs PyTorch FSDP2, FSDP1 and DDP on one GPT.
+
+    .venv/bin/python scripts/bench.py [--systems fsdp_lite,fsdp2,fsdp1,ddp]
+        [--precisions fp32,bf16] [--steps 20 --warmup 3] [--world-size 2] [--threads 1]
+    make bench ARGS='--steps 10'
+
+Each (system, precision) runs in freshly spawned ranks (gloo on CPU; NCCL when every rank
+has a GPU) on the same model (same seed, built before wrapping) and the same data. Per
+case it reports the median step time (max over ranks per step), tokens/s, peak tensor
+memory per rank (torch.profiler allocator events, in a separate short profiled pass),
+peak RSS, and communication per step per rank observed at the ProcessGroup collectives,
+each next to FSDP2's figure and the ZeRO-3 floor. Writes JSON and a table in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_systems import PRECISIONS, SYSTEMS, BenchConfig, rank_main  # noqa: E402
+
+from fsdp_lite.testing.models import GPT  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+MIB = 2**20
+COLUMNS = (
+    "system", "ms/step", "vs FSDP2", "CPU ms/step", "vs FSDP2", "tokens/s", "peak MiB",
+    "vs FSDP2", "resident MiB", "RSS MiB", "vs FSDP2", "comm MiB/step", "vs FSDP2",
+    "vs floor", "loss@0", "loss@last",
+)  # fmt: skip
+RATIO_KEYS = ("median_step_s", "median_cpu_s", "peak_bytes", "rss_peak_bytes", "comm_wire_bytes")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="comma-separated subset of %(default)s"
+    )
+    p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated: fp32,bf16")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (>= 10 for the report)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before the timed ones")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every case, interleaved")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps of the memory-profiled pass")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads per rank (default: cores // W)"
+    )
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md", help="markdown report")
+    p.add_argument("--json", type=Path, default=None, help="raw results (default: next to --out)")
+    p.add_argument("--no-write", action="store_true", help="print the table, write nothing")
+    args = p.parse_args(argv)
+    args.systems = _choices(args.systems, SYSTEMS, "--systems")
+    args.precisions = _choices(args.precisions, PRECISIONS, "--precisions")
+    if args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 1) // args.world_size)
+    if args.json is None:
+        args.json = args.out.with_suffix(".json")
+    if min(args.steps, args.profile_steps, args.world_size, args.rounds) < 1 or args.warmup < 0:
+        p.error("need --steps, --profile-steps, --world-size, --rounds >= 1 and --warmup >= 0")
+    return args
+
+
+def _choices(value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    picked = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in picked if v not in allowed]
+    if bad or not picked:
+        raise SystemExit(f"{flag}: unknown {bad or value!r}; choose from {', '.join(allowed)}")
+    return picked
+
+
+def run_case(system: str, precision: str, cfg: BenchConfig, world: int) -> list[dict[str, Any]]:
+    """Spawn ``world`` fresh ranks for one case; return each rank's result."""
+    with tempfile.TemporaryDirectory(prefix="fsdp_bench_") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        mp.spawn(
+            rank_main, args=(world, system, precision, cfg, init_file, tmp), nprocs=world, join=True
+        )
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def run_all(args: argparse.Namespace, cfg: BenchConfig) -> dict[str, dict[str, dict]]:
+    """Every case, ``args.rounds`` times over, systems interleaved so that load from other
+    work on the machine spreads over all of them; step times pool across rounds."""
+    raw: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rnd in range(args.rounds):
+        for precision in args.precisions:
+            for system in args.systems:
+                print(
+                    f"[bench] round {rnd + 1}/{args.rounds}: {system} {precision} ...", flush=True
+                )
+                ranks = run_case(system, precision, cfg, args.world_size)
+                if (system, precision) in raw:  # memory and bytes: the first round's
+                    for old, new in zip(raw[system, precision], ranks, strict=True):
+                        old["step_times_s"] += new["step_times_s"]
+                        old["step_cpu_s"] += new["step_cpu_s"]
+                else:
+                    raw[system, precision] = ranks
+                ms = statistics.median(slowest_rank_times(ranks)) * 1e3
+                print(f"[bench]   {ms:.1f} ms/step, loss@0 {ranks[0]['losses'][0]:.6f}")
+    results: dict[str, dict[str, dict]] = {}
+    for precision in args.precisions:
+        for system in args.systems:
+            ranks = raw[system, precision]
+            results.setdefault(precision, {})[system] = summarize(ranks, cfg, args.world_size)
+    return results
+
+
+def slowest_rank_times(ranks: list[dict[str, Any]]) -> list[float]:
+    """Per step, the slowest rank's time: a step is done when every rank is."""
+    return [max(ts) for ts in zip(*(r["step_times_s"] for r in ranks), strict=True)]
+
+
+def summarize(ranks: list[dict[str, Any]], cfg: BenchConfig, world: int) -> dict[str, Any]:
+    """One case's figures from its ranks: the slowest rank per step, the largest memory."""
+    per_step = slowest_rank_times(ranks)
+    median = statistics.median(per_step)
+    comm = [sum(c["wire_bytes"] for c in r["comm_per_step"].values()) for r in ranks]
+    return {
+        "median_step_s": median,
+        "min_step_s": min(per_step),
+        "median_cpu_s": statistics.median(
+            max(ts) for ts in zip(*(r["step_cpu_s"] for r in ranks), strict=True)
+        ),
+        "tokens_per_s": world * cfg.batch * cfg.seq / median,
+        "peak_bytes": max(r["memory"]["peak_bytes"] for r in ranks),
+        "resident_bytes": max(r["memory"]["resident_bytes"] for r in ranks),
+        "rss_peak_bytes": max(r["rss_peak_bytes"] for r in ranks),
+        "comm_wire_bytes": max(comm),
+        "comm_per_step": ranks[0]["comm_per_step"],
+        "loss0": statistics.fmean(r["losses"][0] for r in ranks),
+        "loss_last": statistics.fmean(r["losses"][-1] for r in ranks),
+        "library": ranks[0]["library"],
+        "ranks": ranks,
+    }
+
+
+def zero3_floor(num_params: int, precision: str, world: int) -> float:
+    """Bytes per rank per step: 2 all-gathers (compute dtype) + 1 reduce-scatter (fp32)."""
+    compute = 2 if precision == "bf16" else 4
+    return (world - 1) / world * num_params * (2 * compute + 4)
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    with open("/proc/cpuinfo") as f:
+        names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+    cpu = names[0] if names else cpu
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def _count_params(cfg: BenchConfig) -> int:
+    """Ψ: the model's parameters, a tied weight counted once."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg.gpt_config()).parameters())
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def _ratio(x: float, ref: float | None) -> str:
+    return f"{x / ref:.2f}x" if ref else "-"
+
+
+def table(precision: str, results: dict[str, dict], floor: float) -> list[str]:
+    """Markdown rows for one precision; ratios against FSDP2 when it ran."""
+    ref = results.get("fsdp2")
+    rows = [
+        f"**{precision}** — ZeRO-3 floor {floor / MIB:.2f} MiB/step/rank",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|---|" + "---:|" * (len(COLUMNS) - 1),
+    ]
+    for system, r in results.items():
+        vs = {k: _ratio(r[k], ref[k] if ref else None) for k in RATIO_KEYS}
+        cells = [
+            system,
+            f"{r['median_step_s'] * 1e3:.1f}",
+            vs["median_step_s"],
+            f"{r['median_cpu_s'] * 1e3:.0f}",
+            vs["median_cpu_s"],
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['peak_bytes'] / MIB:.1f}",
+            vs["peak_bytes"],
+            f"{r['resident_bytes'] / MIB:.1f}",
+            f"{r['rss_peak_bytes'] / MIB:.0f}",
+            vs["rss_peak_bytes"],
+            f"{r['comm_wire_bytes'] / MIB:.2f}",
+            vs["comm_wire_bytes"],
+            _ratio(r["comm_wire_bytes"], floor),
+            f"{r['loss0']:.6f}",
+            f"{r['loss_last']:.4f}",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def loss_check(precision: str, results: dict[str, dict]) -> str:
+    """Step-0 losses must agree: same init, same data (bf16 within rounding)."""
+    losses = {s: r["loss0"] for s, r in results.items()}
+    spread = max(losses.values()) - min(losses.values())
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    verdict = "OK" if spread <= tol else "MISMATCH"
+    return f"loss@0 spread across systems: {spread:.2e} (tolerance {tol:.0e}) — {verdict}"
+
+
+def library_lines(results: dict[str, dict[str, dict]]) -> list[str]:
+    """fsdp_lite's own accounting of its last timed step, next to what the benchmark saw."""
+    lines = []
+    for precision, by_system in results.items():
+        r = by_system.get("fsdp_lite")
+        lib = r and r.get("library")
+        if not lib:
+            continue
+        last = lib["last_step"]
+        comm = last.get("collectives", last)
+        ops = ", ".join(
+            f"{op} {s['calls']}x {s['bytes'] / MIB:.2f} MiB"
+            for op, s in comm.items()
+            if isinstance(s, dict) and "bytes" in s
+        )
+        seen = ", ".join(
+            f"{op} {c['calls']:.0f}x {c['bytes'] / MIB:.2f} MiB"
+            for op, c in r["comm_per_step"].items()
+        )
+        parts = [
+            f"`{lib['api']}` per step (full-buffer bytes): {ops or 'none'} "
+            f"(observed at the ProcessGroup: {seen})"
+        ]
+        if "exposed_fraction" in lib:
+            parts.append(
+                f"exposed communication {lib['exposed_s_median'] * 1e3:.1f} ms/step "
+                f"(median), {lib['exposed_fraction']:.0%} of step time"
+            )
+        if "full_bytes_peak" in lib:
+            parts.append(f"full parameters at peak {lib['full_bytes_peak'] / MIB:.2f} MiB")
+        if isinstance(mem := lib.get("memory_stats"), dict):
+            parts.append(", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in mem.items()))
+        if "unsharded_units_peak" in last:
+            parts.append(f"at most {last['unsharded_units_peak']} units unsharded at once")
+        lines.append(f"- {precision}: " + "; ".join(parts))
+    return lines
+
+
+def report(args: argparse.Namespace, cfg: BenchConfig, results: dict, info: dict) -> str:
+    """The markdown block between the bench markers of BENCHMARKS.md."""
+    psi, m = info["num_params"], info["machine"]
+    gpu = f", {m['gpu']}" if m["gpu"] else ""
+    lines = [
+        BEGIN,
+        f"Run {info['date']} on {m['cpu']} ({m['cores']} cores{gpu}), torch {m['torch']}, "
+        f"commit {m['commit']}, load average at start {m['load_avg']}, "
+        f"at end {info['load_avg_end']}.",
+        "",
+        f"    {info['command']}",
+        "",
+        f"GPT: {cfg.layers} blocks, dim {cfg.dim}, {cfg.heads} heads, seq {cfg.seq}, "
+        f"batch {cfg.batch}/rank, vocab {cfg.vocab}, tied embedding, Ψ = {psi:,} parameters; "
+        f"W={args.world_size} ({info['backend']}), {cfg.threads} thread(s)/rank, AdamW; "
+        f"median of {cfg.steps} steps after {cfg.warmup} warm-up"
+        f"{f' in each of {args.rounds} interleaved rounds' if args.rounds > 1 else ''} "
+        "(slowest rank per step).",
+        "",
+    ]
+    for precision, by_system in results.items():
+        floor = zero3_floor(psi, precision, args.world_size)
+        lines += table(precision, by_system, floor)
+        lines += ["", loss_check(precision, by_system), ""]
+    lib = library_lines(results)
+    if lib:
+        lines += ["fsdp_lite's own accounting:", "", *lib, ""]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def write_markdown(path: Path, block: str) -> None:
+    """Replace the bench block of ``path`` (keeping any text around it), or create the file."""
+    if path.exists() and BEGIN in (text := path.read_text()) and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = "# Benchmarks\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    names = {f.name for f in dataclasses.fields(BenchConfig)}
+    cfg = BenchConfig(**{k: v for k, v in vars(args).items() if k in names})
+    world = args.world_size
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    info = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join(
+            [".venv/bin/python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "machine": machine(),
+        "backend": "nccl" if cuda else "gloo",
+        "num_params": _count_params(cfg),
+        "config": dataclasses.asdict(cfg),
+    }
+    results = run_all(args, cfg)
+    info["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    block = report(args, cfg, results, info)
+    print(block)
+    if not args.no_write:
+        write_markdown(args.out, block)
+        args.json.write_text(json.dumps({"info": info, "results": results}, indent=1))
+        print(f"[bench] wrote {args.out} and {args.json}")
+
+
+if __name__ == "__main__":
+    main()
