@@ -89,24 +89,24 @@ def _store(timeout: datetime.timedelta) -> dist.Store:
     store per attempt) is the fix, and rank 0 says so.
     """
     env = os.environ
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's own store
     store = dist.TCPStore(
         env["MASTER_ADDR"],
         int(env["MASTER_PORT"]),
         int(env["WORLD_SIZE"]),
-        is_master=env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and env["RANK"] == "0",
+        is_master=not shared and env["RANK"] == "0",
         timeout=timeout,
+        multi_tenant=True,
     )
-    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", 0))
-    if shared and restarts and int(env.get("GROUP_WORLD_SIZE", 1)) > 1 and env["RANK"] == "0":
+    if shared and int(env.get("GROUP_WORLD_SIZE", 1)) == 1:
+        return dist.PrefixStore(f"train/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    if shared and int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)) and env["RANK"] == "0":
         print(
             "warning: torchrun --max-restarts across nodes with a shared rendezvous store: a "
             "restart can read stale addresses; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on "
             "every node (pytorch/pytorch#135712)",
             file=sys.stderr,
         )
-    if shared and int(env.get("GROUP_WORLD_SIZE", 1)) == 1:
-        return dist.PrefixStore(f"train/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
     return store
 
 
