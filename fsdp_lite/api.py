@@ -68,9 +68,10 @@ class PrefetchPolicy:
         forward: when a unit starts its forward, gather the next units in forward order.
         backward: when a unit's backward starts, gather the next units in backward order
             (before this unit's reduce-scatter is issued).
-        max_in_flight: how many units ahead to gather. Bounds memory: at most
-            ``max_in_flight + 1`` units (plus enclosing units such as the root) hold full
-            parameters at once.
+        max_in_flight: how many units' gathers may be in flight at once, the running
+            unit's own included: 2 (the default) gathers one unit ahead, as PyTorch's FSDP
+            does; 1 prefetches nothing. Bounds memory: at most ``max_in_flight`` units
+            (plus enclosing units such as the root) hold full parameters at once.
     """
 
     forward: bool = True

@@ -76,7 +76,8 @@ class RootContext:
         """Record ``unit`` in this pass's order and return the units to prefetch now."""
         order = self.backward_order if backward else self.forward_order
         policy = self.prefetch
-        ahead = policy.max_in_flight if policy is not None else 0
+        # A unit's own gather counts as one in flight: prefetch max_in_flight - 1 ahead.
+        ahead = policy.max_in_flight - 1 if policy is not None else 0
         targets = order.visit(unit, ahead)
         if policy is None or not (policy.backward if backward else policy.forward):
             return []
