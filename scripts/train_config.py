@@ -74,7 +74,7 @@ class FSDPConfig:
         100_000, "`wrap: size`: a module (not a ModuleList/Dict) becomes a unit at this many params"
     )
     activation_checkpointing: bool = opt(False, "recompute each block's activations in backward")
-    prefetch: int = opt(2, "units gathered ahead in forward and backward (0: no prefetch)")
+    prefetch: int = opt(1, "units gathered ahead of the running one, forward and backward (0: off)")
     offload: str = opt("none", "where shards, grads and optimizer state live: none, cpu or ssd")
     offload_dir: str | None = opt(
         None, "`offload: ssd` directory (null: `$TMPDIR/fsdp_lite_<name>`)"

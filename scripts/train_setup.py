@@ -147,7 +147,8 @@ def build_model(cfg: Config, vocab_size: int, d: Dist) -> tuple[fsdp_lite.FSDPMo
     groups = None
     if f.shard_size is not None and f.shard_size != d.world_size:
         groups = fsdp_lite.hybrid_groups(f.shard_size)
-    prefetch = fsdp_lite.PrefetchPolicy(max_in_flight=f.prefetch) if f.prefetch else None
+    # max_in_flight counts the running unit's own gather too
+    prefetch = fsdp_lite.PrefetchPolicy(max_in_flight=f.prefetch + 1) if f.prefetch else None
     model = fsdp_lite.FSDPModule(
         gpt,
         process_group=groups,

@@ -177,7 +177,7 @@ def test_rank_killed_under_max_restarts_ends_equal_to_uninterrupted_run(
 
 def test_feature_knobs_train_checkpoint_and_match_theoretical_comm(tmp_path: Path) -> None:
     """bf16 gathers, activation checkpointing, SSD offload (optimizer moments too), units
-    by size, one-deep prefetch, all units resharded: trains, saves, accounts as predicted."""
+    by size, two-deep prefetch, all units resharded: trains, saves, accounts as predicted."""
     knobs = [
         "fsdp.mixed_precision=bf16",
         "fsdp.activation_checkpointing=true",
@@ -185,7 +185,7 @@ def test_feature_knobs_train_checkpoint_and_match_theoretical_comm(tmp_path: Pat
         f"fsdp.offload_dir={tmp_path / 'ssd'}",
         "fsdp.wrap=size",
         "fsdp.wrap_min_params=5000",
-        "fsdp.prefetch=1",
+        "fsdp.prefetch=2",
         "fsdp.reshard_after_forward=true",
         "train.steps=8",
     ]
