@@ -43,8 +43,9 @@ def _peer_errors(op: str, unit: str | None) -> Iterator[None]:
     except (DivergenceError, PeerError):
         raise
     except RuntimeError as e:  # DistBackendError, gloo/NCCL errors and timeouts
+        what = f"{op} of unit '{unit}'" if unit else op
         raise PeerError(
-            f"fsdp_lite: {op} of unit '{unit}' failed: a peer rank is gone or did not respond "
+            f"fsdp_lite: {what} failed: a peer rank is gone or did not respond "
             f"within the process group's timeout (set it with init_process_group(timeout=...)). "
             f"The backend said: {e}"
         ) from e

@@ -104,8 +104,8 @@ def apply_policy(root: nn.Module, policy: Policy, make_unit: Callable) -> None:
                 continue
             child_path = f"{path}{name}"
             visit(child, child_path + ".")
-            if not policy(child):
-                continue
+            if isinstance(child, nn.ModuleList | nn.ModuleDict) or not policy(child):
+                continue  # containers have no forward of their own: never units
             prefixes = [p + "." for p in paths.get(id(child), [child_path])]
             defer = {
                 id(p)

@@ -94,3 +94,12 @@ def test_deleted_model_is_freed_after_training(world1) -> None:
     del model
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_size_policy_never_wraps_containers(world1) -> None:
+    """ModuleList/ModuleDict have no forward: a loop over blocks must still work."""
+    gpt = GPT(GPTConfig(n_layer=2))
+    model = fsdp_lite.FSDPModule(gpt, auto_wrap_policy=fsdp_lite.wrap.by_size(5000))
+    assert not isinstance(model.module.blocks, fsdp_lite.FSDPModule)
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x)[1].backward()
