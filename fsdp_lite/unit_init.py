@@ -73,6 +73,7 @@ def build_flat_params(
             deferred_init.materialize(sub, names.get(id(sub), "?"), unit._init_plan)
     groups: dict[tuple, list[tuple[ParamSlot, nn.Parameter]]] = {}
     slot_of: dict[int, ParamSlot] = {}
+    key_of: dict[int, tuple] = {}  # id(param) -> its flat param's group key
     for sub, attr, p in unowned_parameters(module):
         name = f"{names.get(id(sub), '?')}.{attr}".lstrip(".")
         sub.__dict__.setdefault("_fsdp_lite_param_order", list(sub._parameters.keys()))
@@ -85,6 +86,13 @@ def build_flat_params(
                 "submodule by hand: use auto_wrap_policy, which keeps tied parameters in the "
                 "lowest unit that contains every use, or wrap a common ancestor instead"
             )
+        earlier = _FLATTENED.get(id(p))
+        if earlier is not None and earlier[0]() is p:  # flattened by a unit outside this one
+            raise ValueError(
+                f"parameter '{name}' is tied to '{earlier[1]}', which another unit (not nested "
+                "in this one) already sharded; a tied parameter must live in one unit. Wrap a "
+                "common ancestor of every use instead, or let auto_wrap_policy place the tie"
+            )
         if p.is_meta:
             raise RuntimeError(
                 f"fsdp_lite: parameter '{name}' is still on the meta device: its module's "
@@ -95,13 +103,21 @@ def build_flat_params(
                 f"parameter '{name}' has dtype {p.dtype}: fsdp_lite shards floating-point "
                 "parameters only; register it as a buffer instead"
             )
+        key = (p.dtype, p.requires_grad, _compute_dtype(unit, sub, p))
         if id(p) in slot_of:  # a tie inside this unit: one slot, several locations
+            if key_of[id(p)] != key:
+                raise ValueError(
+                    f"parameter '{name}' is tied to '{slot_of[id(p)].name}', but one use is in a "
+                    "module that computes in fp32 under mixed precision (fp32_module_types) "
+                    "and the other is not: a parameter has one compute dtype. Untie them or "
+                    "adjust MixedPrecision.fp32_module_types"
+                )
             slot_of[id(p)].locations.append((sub, attr))
             continue
-        key = (p.dtype, p.requires_grad, _compute_dtype(unit, sub, p))
         slot = ParamSlot([(sub, attr)], name, p.shape, p.numel(), 0)
         slot_of[id(p)] = slot
         groups.setdefault(key, []).append((slot, p))
+        key_of[id(p)] = key
 
     flats = []
     for (_, _, compute_dtype), members in groups.items():

@@ -27,7 +27,7 @@ overrides: FSDP_RANDOM_SEED; FSDP_RANDOM_CASES="400,300,150" (cases at W=1,2,3);
 FSDP_RANDOM_ONLY="17,42" replays those cases at every W.
 
 Left out because of library bugs (each named where it is excluded, in random_models):
-ties between a BatchNorm and another module under mixed precision ("tie across fp32
+ties between a BatchNorm and another module under mixed precision (now a clear error at wrap time) ("tie across fp32
 modules"); ties a second unit would re-flatten: hand-wrapped siblings, or any
 hand-wrapped tie under an auto-wrap policy ("tie re-flattened"); hand-wrapping some but
 not all places of a shared module ("shared module split"). Never-called items are always

@@ -180,3 +180,27 @@ def test_exception_in_backward_leaves_model_usable(world1) -> None:
     got = fsdp_lite.state_dict.full_grads(model)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(got[name], p.grad)  # no stale gradient from the failed step
+
+
+def test_tie_across_sibling_units_wrapped_by_hand(world1) -> None:
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    m[1].weight = m[0].weight
+    m[0] = fsdp_lite.FSDPModule(m[0])
+    with pytest.raises(ValueError, match="tied to 'weight', which another unit"):
+        fsdp_lite.FSDPModule(m[1])
+
+
+def test_tie_between_fp32_module_and_other_under_mixed_precision(world1) -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.bn = nn.LayerNorm(4), nn.BatchNorm1d(4)
+            self.bn.weight = self.ln.weight
+
+        def forward(self, x):
+            return self.bn(self.ln(x))
+
+    mp = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one compute dtype"):
+        fsdp_lite.FSDPModule(M(), mixed_precision=mp)
+    fsdp_lite.FSDPModule(M())(torch.randn(3, 4))  # fine without mixed precision
