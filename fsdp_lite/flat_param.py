@@ -163,9 +163,16 @@ class FlatParam:
         return out[: self.numel]
 
     def use_full_views(self) -> None:
-        """Point every original parameter location at its view of the full buffer."""
-        for slot in self.slots:
-            view = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        """Point every original parameter location at its view of the full buffer.
+
+        One ``split`` (not a slice per parameter): its backward is a single ``cat`` into
+        the full gradient, where per-parameter slices would each build a zero-filled
+        full-size gradient and add them all up.
+        """
+        sizes = [slot.numel for slot in self.slots] + [self.padded_numel - self.numel]
+        pieces = torch.split(self.full, sizes)
+        for slot, piece in zip(self.slots, pieces, strict=False):
+            view = piece.view(slot.shape)
             for module, attr in slot.locations:
                 setattr(module, attr, view)
 
