@@ -61,6 +61,62 @@ def _compute_dtype(unit: FSDPModule, sub: nn.Module, p: nn.Parameter) -> torch.d
     return mp.param_dtype
 
 
+def _check_param(name: str, p: nn.Parameter, owned: dict) -> None:
+    """Refuse a parameter another unit already flattened (a misplaced tie), one left on the
+    meta device, or one that is not floating point."""
+    if id(p) in owned and owned[id(p)][1] is p:
+        raise ValueError(
+            f"parameter '{name}' is tied to a parameter already sharded by the nested unit "
+            f"'{owned[id(p)][0]}'; a tied parameter must live in one unit. Do not wrap that "
+            "submodule by hand: use auto_wrap_policy, which keeps tied parameters in the "
+            "lowest unit that contains every use, or wrap a common ancestor instead"
+        )
+    earlier = _FLATTENED.get(id(p))
+    if earlier is not None and earlier[0]() is p:  # flattened by a unit outside this one
+        raise ValueError(
+            f"parameter '{name}' is tied to '{earlier[1]}', which another unit (not nested "
+            "in this one) already sharded; a tied parameter must live in one unit. Wrap a "
+            "common ancestor of every use instead, or let auto_wrap_policy place the tie"
+        )
+    if p.is_meta:
+        raise RuntimeError(
+            f"fsdp_lite: parameter '{name}' is still on the meta device: its module's "
+            "init (reset_parameters or param_init_fn) did not create it"
+        )
+    if not p.is_floating_point():
+        raise TypeError(
+            f"parameter '{name}' has dtype {p.dtype}: fsdp_lite shards floating-point "
+            "parameters only; register it as a buffer instead"
+        )
+
+
+def _make_flat(
+    unit: FSDPModule, members: list, compute_dtype: torch.dtype, sync: bool
+) -> FlatParam:
+    """One FlatParam from (slot, original) pairs; the originals leave their modules."""
+    offset = 0
+    for slot, _ in members:
+        slot.offset = offset
+        offset += slot.numel
+    flat = FlatParam(
+        [s for s, _ in members],
+        [p for _, p in members],
+        group=unit.process_group,
+        device=unit.device,
+        compute_dtype=compute_dtype,
+        home=unit._home,
+        replicate_group=unit.replicate_group,
+        sync=sync,
+    )
+    for slot in flat.slots:
+        for sub, attr in slot.locations:
+            delattr(sub, attr)
+    for slot, p in members:
+        _forget_original(p, slot.name)
+    flat.use_placeholders()
+    return flat
+
+
 def build_flat_params(
     unit: FSDPModule, module: nn.Module, defer: frozenset[int], sync: bool
 ) -> list[FlatParam]:
@@ -79,30 +135,7 @@ def build_flat_params(
         sub.__dict__.setdefault("_fsdp_lite_param_order", list(sub._parameters.keys()))
         if id(p) in defer:
             continue
-        if id(p) in owned and owned[id(p)][1] is p:
-            raise ValueError(
-                f"parameter '{name}' is tied to a parameter already sharded by the nested unit "
-                f"'{owned[id(p)][0]}'; a tied parameter must live in one unit. Do not wrap that "
-                "submodule by hand: use auto_wrap_policy, which keeps tied parameters in the "
-                "lowest unit that contains every use, or wrap a common ancestor instead"
-            )
-        earlier = _FLATTENED.get(id(p))
-        if earlier is not None and earlier[0]() is p:  # flattened by a unit outside this one
-            raise ValueError(
-                f"parameter '{name}' is tied to '{earlier[1]}', which another unit (not nested "
-                "in this one) already sharded; a tied parameter must live in one unit. Wrap a "
-                "common ancestor of every use instead, or let auto_wrap_policy place the tie"
-            )
-        if p.is_meta:
-            raise RuntimeError(
-                f"fsdp_lite: parameter '{name}' is still on the meta device: its module's "
-                "init (reset_parameters or param_init_fn) did not create it"
-            )
-        if not p.is_floating_point():
-            raise TypeError(
-                f"parameter '{name}' has dtype {p.dtype}: fsdp_lite shards floating-point "
-                "parameters only; register it as a buffer instead"
-            )
+        _check_param(name, p, owned)
         key = (p.dtype, p.requires_grad, _compute_dtype(unit, sub, p))
         if id(p) in slot_of:  # a tie inside this unit: one slot, several locations
             if key_of[id(p)] != key:
@@ -119,30 +152,10 @@ def build_flat_params(
         groups.setdefault(key, []).append((slot, p))
         key_of[id(p)] = key
 
-    flats = []
-    for (_, _, compute_dtype), members in groups.items():
-        offset = 0
-        for slot, _ in members:
-            slot.offset = offset
-            offset += slot.numel
-        flat = FlatParam(
-            [s for s, _ in members],
-            [p for _, p in members],
-            group=unit.process_group,
-            device=unit.device,
-            compute_dtype=compute_dtype,
-            home=unit._home,
-            replicate_group=unit.replicate_group,
-            sync=sync,
-        )
-        for slot in flat.slots:
-            for sub, attr in slot.locations:
-                delattr(sub, attr)
-        for slot, p in members:
-            _forget_original(p, slot.name)
-        flat.use_placeholders()
-        flats.append(flat)
-    return flats
+    return [
+        _make_flat(unit, members, compute_dtype, sync)
+        for (_, _, compute_dtype), members in groups.items()
+    ]
 
 
 def prepare_buffers(unit: FSDPModule, module: nn.Module, sync: bool) -> None:

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 @pytest.fixture
 def world1():
-    """A one-rank gloo process group in this process, torn down after the test."""
+    """A one-rank gloo process group in this process, torn down after the test (unit and
+    distributed test files both use it)."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group(
