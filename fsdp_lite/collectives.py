@@ -60,6 +60,11 @@ class Handle:
         self.unit = unit
         self.device = device
 
+    def is_done(self) -> bool:
+        """True once the collective has completed (never blocks)."""
+        with _peer_errors("polling a collective", self.unit):
+            return self.work is None or self.work.is_completed()
+
     def wait(self) -> None:
         work, self.work = self.work, None  # waited for at most once, even if it fails
         if work is None:
@@ -292,6 +297,7 @@ class _Guard:
         code = [_OPS[entry[0]], zlib.crc32(entry[1].encode()), entry[2]]
         mine = torch.tensor(code, dtype=torch.int64)
         everyone = torch.empty(world_size(group) * 3, dtype=torch.int64)
+        accounting.record_collective("divergence_check", everyone, None)
         self._busy = True
         try:
             with _peer_errors(f"checking {entry[0]}", entry[1]):
@@ -316,6 +322,7 @@ class _Guard:
             self.iteration += 1
             return
         both = torch.tensor([self.fingerprint, -self.fingerprint], dtype=torch.int64)
+        accounting.record_collective("divergence_check", both, None)
         self._busy = True
         try:
             with _peer_errors("checking the last iteration", None):

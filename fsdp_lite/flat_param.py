@@ -254,10 +254,15 @@ class PendingGrad:
     flat: FlatParam
     work: collectives.Handle
     out: torch.Tensor  # (shard_numel,) in reduce dtype
-    send: torch.Tensor  # the input, kept alive until the collective completes
+    send: torch.Tensor | None  # the input, kept alive until the collective completes
+
+    def release_input(self) -> None:
+        """Wait for the collective, then drop its full-size input."""
+        self.work.wait()
+        self.send = None
 
     def finish(self) -> None:
-        self.work.wait()
+        self.release_input()
         flat = self.flat
         if flat.replicate_group is not None:
             collectives.all_reduce(

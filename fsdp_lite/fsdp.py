@@ -58,7 +58,9 @@ class FSDPModule(nn.Module):
         reshard_after_forward: free the full parameters after forward and re-gather them
             in backward (``False`` keeps them until the end of backward: less
             communication, more memory). ``None`` (default): ``True`` for every unit but
-            the root, whose parameters backward needs first.
+            the root and, with backward prefetching on, from the second iteration the unit
+            whose backward runs first after the root's (the last block of a transformer):
+            backward would gather both again at once.
         mixed_precision: compute and communication dtypes (``None``: everything fp32).
         sync_module_states: broadcast parameters and buffers from rank 0 at wrap time.
         device: compute device; default ``cuda:LOCAL_RANK`` if CUDA is available, else cpu.
@@ -180,7 +182,8 @@ class FSDPModule(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             runtime.register_pre_backward(self, output)
-        if self.reshard_after_forward or not grad_enabled:
+        keep = not self.reshard_after_forward or runtime.first_in_backward(self)
+        if not (grad_enabled and keep):
             self._reshard()
         self._state = TrainingState.IDLE
         if self._is_root:

@@ -128,6 +128,20 @@ def recover_if_interrupted(ctx: RootContext) -> None:
         reset(ctx)
 
 
+def first_in_backward(unit: FSDPModule) -> bool:
+    """Should ``unit`` stay gathered after forward, as the root does? Yes under the default
+    ``reshard_after_forward=None`` with backward prefetching on, when this pass follows
+    the recorded order and ``unit`` is the first after the root in the recorded backward
+    order: backward would start by gathering it again (one gather and its wait saved)."""
+    ctx = unit._ctx
+    policy, recorded = ctx.prefetch, ctx.backward_order.recorded
+    if unit._reshard_after_forward_arg is not None or policy is None or not policy.backward:
+        return False
+    if not recorded or not ctx.forward_order.on_track:
+        return False
+    return next((u for u in recorded if not u._is_root), None) is unit
+
+
 def end_of_root_forward(ctx: RootContext) -> None:
     """Freeze the forward order after the first pass; free gathers nobody used."""
     ctx.forward_order.freeze()
@@ -197,9 +211,26 @@ def post_backward(unit: FSDPModule, flat: FlatParam) -> None:
             pending = flat.reduce_scatter_grad(unit._reduce_dtype(flat))
             if pending is not None:
                 unit._ctx.pending.append(pending)
+                retire_reduce_scatters(unit._ctx)
         else:
             flat.accumulate_unsharded()
         flat.reshard()
+
+
+# Reduce-scatters whose full-size input may be held at once. Unbounded, a backward would
+# hold every unit's full gradient until its end.
+MAX_REDUCE_SCATTERS_IN_FLIGHT = 2
+
+
+def retire_reduce_scatters(ctx: RootContext) -> None:
+    """Free the inputs of the reduce-scatters that are done, and wait for the oldest while
+    too many are in flight. Only local waits: the results are still added to the shard
+    grads at the end of backward, in issue order, so the ranks' collectives (the hybrid
+    replicate all-reduce) stay in the same order whatever the timing."""
+    holding = [p for p in ctx.pending if p.send is not None]
+    for i, pending in enumerate(holding):
+        if len(holding) - i > MAX_REDUCE_SCATTERS_IN_FLIGHT or pending.work.is_done():
+            pending.release_input()
 
 
 def finish_backward(ctx: RootContext) -> None:

@@ -11,7 +11,7 @@ from cases import gpt, gpt_run, token_batch, wrap_blocks
 from torch import nn
 
 import fsdp_lite
-from fsdp_lite import PrefetchPolicy, collectives
+from fsdp_lite import PrefetchPolicy, collectives, runtime
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.models import Block, GPTConfig
 from fsdp_lite.testing.reference import compare_training
@@ -48,9 +48,9 @@ def _log_collectives(log: list) -> None:
     collectives.all_gather_flat, collectives.reduce_scatter_flat = logged_gather, logged_reduce
 
 
-def _sequence(policy: PrefetchPolicy | None) -> list[list]:
+def _sequence(policy: PrefetchPolicy | None, raf: bool | None = None) -> list[list]:
     """Collectives of two training iterations of root + 2 blocks (root keeps its params)."""
-    model = wrap_blocks(gpt(), prefetch=policy)
+    model = wrap_blocks(gpt(), prefetch=policy, reshard_after_forward=raf)
     log: list = []
     _log_collectives(log)
     x, y = token_batch(1, 0)
@@ -63,6 +63,8 @@ def _sequence(policy: PrefetchPolicy | None) -> list[list]:
 
 
 R, B0, B1 = "<root GPT>", "blocks.0", "blocks.1"
+# Iteration 1 records the orders: every block is resharded after forward and gathered
+# again in backward.
 FIRST = [
     f"AG {R}",
     f"AG {B0}",
@@ -73,21 +75,17 @@ FIRST = [
     f"RS {B0}",
     f"RS {R}",
 ]
+# With backward prefetching on, from iteration 2 blocks.1 (first in backward after the
+# root) stays gathered after forward, like the root: one gather fewer.
+SECOND = [f"AG {R}", f"AG {B0}", f"AG {B1}", f"RS {B1}", f"AG {B0}", f"RS {B0}", f"RS {R}"]
 EXPECTED = {
     "off": [FIRST, FIRST],
-    "limit 1": [FIRST, FIRST],  # only the running unit's own gather is in flight
+    "limit 1": [FIRST, SECOND],  # only the running unit's own gather is in flight
+    # blocks.1's forward prefetches nothing (last); its backward prefetches blocks.0
+    # before its own reduce-scatter.
     "limit 2": [
         FIRST,
-        [
-            f"AG {R}",
-            f"AG {B0}",
-            f"AG {B1}",
-            f"AG {B1}",
-            f"AG {B0}",
-            f"RS {B1}",
-            f"RS {B0}",
-            f"RS {R}",
-        ],
+        [f"AG {R}", f"AG {B0}", f"AG {B1}", f"AG {B0}", f"RS {B1}", f"RS {B0}", f"RS {R}"],
     ],
 }
 
@@ -96,6 +94,31 @@ def _check_sequences() -> None:
     for name, expected in EXPECTED.items():
         got = _sequence(POLICIES[name])
         assert got == expected, f"{name}:\n got      {got}\n expected {expected}"
+    # Asked for explicitly, every unit (the root too) is resharded after forward and
+    # gathered again in backward, every iteration.
+    got = _sequence(None, raf=True)
+    assert got[0] == got[1] and all(got[1].count(f"AG {u}") == 2 for u in (R, B0, B1)), got
+
+
+def _check_reduce_scatter_inputs_bounded() -> None:
+    """A backward holds at most MAX_REDUCE_SCATTERS_IN_FLIGHT full-size gradients waiting
+    on their reduce-scatter, not every unit's until its end."""
+    retire, holding = runtime.retire_reduce_scatters, []
+
+    def spy(ctx):
+        retire(ctx)
+        holding.append(sum(p.send is not None for p in ctx.pending))
+
+    runtime.retire_reduce_scatters = spy
+    try:
+        model = wrap_blocks(gpt(n_layer=6))
+        x, y = token_batch(1, 0)
+        for _ in range(2):
+            model(x, y)[1].backward()
+    finally:
+        runtime.retire_reduce_scatters = retire
+    assert len(holding) == 2 * 7, holding  # one reduce-scatter per unit per backward
+    assert max(holding) <= runtime.MAX_REDUCE_SCATTERS_IN_FLIGHT, holding
 
 
 class Blocks(nn.Module):
@@ -127,6 +150,7 @@ def _prefetch(rank: int, world: int) -> None:
     _equivalence(world)
     _check_sequences()
     _check_in_flight_bound()
+    _check_reduce_scatter_inputs_bounded()
 
 
 @pytest.mark.parametrize("world", [2])
