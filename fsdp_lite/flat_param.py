@@ -215,14 +215,17 @@ class FlatParam:
         grad = self.take_grad()
         if grad is None:
             return None
+        ranks = self.world_size * self.replicas  # averaged over
         with torch.no_grad():
-            # Pre-divide by the number of ranks averaged over, so low-precision sums
-            # cannot overflow.
             grad = grad.to(reduce_dtype)
-            grad.div_(self.world_size * self.replicas)
+            # Low-precision sums could overflow: divide the full gradient first. In fp32,
+            # divide the 1/W-sized result instead (one full-size pass saved).
+            low_precision = reduce_dtype.itemsize < 4
+            if low_precision:
+                grad.div_(ranks)
             out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
             work = collectives.reduce_scatter_flat(out, grad, self.group, unit=self.unit_name)
-        return PendingGrad(self, work, out, grad)
+        return PendingGrad(self, work, out, grad, 1 if low_precision else ranks)
 
 
 def _build_shard(
@@ -255,6 +258,7 @@ class PendingGrad:
     work: collectives.Handle
     out: torch.Tensor  # (shard_numel,) in reduce dtype
     send: torch.Tensor | None  # the input, kept alive until the collective completes
+    divide_by: int  # what the result is still to be divided by (1: the input was)
 
     def release_input(self) -> None:
         """Wait for the collective, then drop its full-size input."""
@@ -263,6 +267,8 @@ class PendingGrad:
 
     def finish(self) -> None:
         self.release_input()
+        if self.divide_by != 1:
+            self.out.div_(self.divide_by)
         flat = self.flat
         if flat.replicate_group is not None:
             collectives.all_reduce(
