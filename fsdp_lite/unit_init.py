@@ -54,6 +54,26 @@ def _flattened_by_nested(module: nn.Module) -> dict[int, tuple[str, nn.Parameter
     return owned
 
 
+def _check_split_modules(unit: FSDPModule, module: nn.Module) -> None:
+    """Refuse a module whose parameters another unit sharded, met again outside that unit:
+    a module registered at several places, only some of them inside a unit wrapped by hand.
+    The other places would read that unit's full buffer while it is freed."""
+    for sub in region_modules(module):
+        ref = sub.__dict__.get("_fsdp_lite_sharded_by")
+        owner = ref() if ref is not None else None
+        if owner is None or owner is unit:
+            continue
+        paths = [n for n, m in module.named_modules(remove_duplicate=False) if m is sub]
+        inside = next((n for n, m in module.named_modules() if m is owner), None)
+        where = f"the unit '{inside}'" if inside else "another unit"
+        raise ValueError(
+            f"module {type(sub).__name__} is registered at several places ({', '.join(paths)}) "
+            f"and {where}, wrapped by hand around only some of them, already sharded its "
+            "parameters; a module used at several places must live in one unit. Wrap a "
+            "common ancestor of every place instead, or let auto_wrap_policy place it"
+        )
+
+
 def _compute_dtype(unit: FSDPModule, sub: nn.Module, p: nn.Parameter) -> torch.dtype:
     mp = unit.mixed_precision
     if mp is None or isinstance(sub, mp.fp32_module_types):
@@ -111,6 +131,7 @@ def _make_flat(
     for slot in flat.slots:
         for sub, attr in slot.locations:
             delattr(sub, attr)
+            sub.__dict__["_fsdp_lite_sharded_by"] = weakref.ref(unit)
     for slot, p in members:
         _forget_original(p, slot.name)
     flat.use_placeholders()
@@ -122,6 +143,7 @@ def build_flat_params(
 ) -> list[FlatParam]:
     """Flatten the parameters of ``module`` that no nested unit owns, one FlatParam per
     (dtype, requires_grad, compute dtype), and replace them by views of the full buffer."""
+    _check_split_modules(unit, module)
     owned = _flattened_by_nested(module)
     names = {id(m): n for n, m in clean_named_modules(module)}
     if unit._init_plan is not None:  # deferred init: this unit's modules only, now

@@ -449,7 +449,7 @@ def draw_spec(seed: int, case: int) -> Spec:
             paths.setdefault(id(m), []).append(name)
     spec["aliases"] = {p[0]: p for p in paths.values() if len(p) > 1}  # shared Ops
     modules = [n for n, m in model.named_modules() if isinstance(m, Node | Op)]
-    hand = {n for n in modules if rng.random() < 0.12 and not _splits_shared(spec, n)}
+    hand = {n for n in modules if rng.random() < 0.12}
     spec["by_hand"] = sorted(set(_never_called(model)) | hand)
     spec["policy"] = _draw_policy(rng, sum(p.numel() for p in model.parameters()))
     spec["precision"] = rng.choice((None, None, "bf16", "fp16"))
@@ -460,7 +460,7 @@ def draw_spec(seed: int, case: int) -> Spec:
     tied_away = {dst for dst, _ in spec["ties"]}
     live = [n for n, _ in model.named_parameters() if n not in tied_away and n != "head.bias"]
     spec["frozen"] = sorted(n for n in live if rng.random() < 0.15)
-    spec["expect_error"] = _misplaced_tie(spec)
+    spec["expect_error"] = _split_across_units(spec)
     return spec
 
 
@@ -540,28 +540,30 @@ def _in_unit(spec: Spec, name: str, unit: str) -> bool:
     return any(_inside(name, path) for path in spec["aliases"].get(unit, [unit]))
 
 
-def _splits_shared(spec: Spec, module: str) -> bool:
-    """Library bug "shared module split": a unit wrapped by hand around some but not all
-    places of a shared Op flattens its parameters and leaves the other places holding
-    views of a freed buffer; wrapping is accepted (no tie error) and the next forward
-    fails on a storage of size 0. Such modules are not wrapped by hand."""
-    return any(
-        len({_inside(path, module) for path in paths}) > 1 for paths in spec["aliases"].values()
-    )
+def _owner(spec: Spec, name: str) -> str | None:
+    """The innermost hand-wrapped unit holding the parameter ``name`` (a shared Op's unit
+    is at each of its places), or None: left to the policy and the root."""
+    best, depth = None, -1
+    for unit in spec["by_hand"]:
+        for path in spec["aliases"].get(unit, [unit]):
+            if _inside(name, path) and path.count(".") > depth:
+                best, depth = unit, path.count(".")
+    return best
 
 
-def _misplaced_tie(spec: Spec) -> str | None:
-    """A tie between a module wrapped by hand and anything outside it cannot be placed:
-    the hand-wrapped unit flattens the parameter before its other use is seen. Returns
-    the offending parameter's name, or None when every tie can be placed."""
+def _split_across_units(spec: Spec) -> str | None:
+    """A parameter reached under several names (tied, or inside a shared Op) whose names
+    lie in different hand-wrapped units, or some in one and some in none, cannot be
+    placed: the unit wrapped first shards it before its other use is seen, and wrapping is
+    refused. Returns such a name, or None when every parameter can be placed (names outside
+    every hand-wrapped unit are left to the policy, which places ties)."""
     where: dict[int, list[str]] = {}
     for name, p in build_model(spec).named_parameters(remove_duplicate=False):
         where.setdefault(id(p), []).append(name)
     for names in where.values():
-        for unit in spec["by_hand"]:
-            inside = [_in_unit(spec, n, unit) for n in names]
-            if any(inside) and not all(inside):
-                return names[inside.index(True)]
+        owners = [_owner(spec, n) for n in names]
+        if len(set(owners)) > 1:
+            return next(n for n, o in zip(names, owners, strict=True) if o is not None)
     return None
 
 

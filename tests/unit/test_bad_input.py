@@ -204,3 +204,20 @@ def test_tie_between_fp32_module_and_other_under_mixed_precision(world1) -> None
     with pytest.raises(ValueError, match="one compute dtype"):
         fsdp_lite.FSDPModule(M(), mixed_precision=mp)
     fsdp_lite.FSDPModule(M())(torch.randn(3, 4))  # fine without mixed precision
+
+
+def test_shared_module_split_by_hand_wrapping(world1) -> None:
+    shared = nn.Linear(4, 4)
+    m = nn.Sequential(nn.Sequential(shared, nn.ReLU()), nn.Sequential(shared))
+    m[0] = fsdp_lite.FSDPModule(m[0])  # holds one of shared's two places
+    with pytest.raises(ValueError, match=r"several places \(0\.module\.0, 1\.0\).*unit '0'"):
+        fsdp_lite.FSDPModule(m)
+
+
+def test_shared_module_inside_one_hand_wrapped_unit_is_fine(world1) -> None:
+    shared = nn.Linear(4, 4)
+    inner = nn.Sequential(shared, nn.ReLU(), shared)
+    m = nn.Sequential(fsdp_lite.FSDPModule(inner), nn.Linear(4, 2))
+    model = fsdp_lite.FSDPModule(m)
+    model(torch.randn(3, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
