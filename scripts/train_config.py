@@ -67,7 +67,9 @@ class FSDPConfig:
         "fp32", "fp32, bf16 or fp16 (loss-scaled) compute and gathers; grads reduce in fp32"
     )
     reshard_after_forward: bool | None = opt(
-        None, "null: free full params after forward in every unit but the root; true/false: all"
+        None,
+        "null: free full params after forward in every unit but the root and (with prefetch) "
+        "the last block; true/false: all",
     )
     wrap: str = opt("block", "units: `block` (one per transformer block), `size` or `none`")
     wrap_min_params: int = opt(

@@ -58,7 +58,9 @@ def wrap_stages(module, **kwargs) -> fsdp_lite.FSDPModule:
     return fsdp_lite.FSDPModule(module, auto_wrap_policy=policy, **kwargs)
 
 
-def gpt_run(name: str, world: int, precision: str = "fp32", raf: bool = True, **kw) -> Run:
+def gpt_run(
+    name: str, world: int, precision: str = "fp32", raf: bool | None = None, **kw
+) -> Run:
     mp, tol = PRECISIONS[precision]
     return Run(
         name=f"{name} W={world} {precision} raf={raf}",
@@ -74,7 +76,7 @@ def gpt_run(name: str, world: int, precision: str = "fp32", raf: bool = True, **
     )
 
 
-def convnet_run(world: int, precision: str = "fp32", raf: bool = True, **kw) -> Run:
+def convnet_run(world: int, precision: str = "fp32", raf: bool | None = None, **kw) -> Run:
     mp, tol = PRECISIONS[precision]
     return Run(
         name=f"convnet W={world} {precision} raf={raf}",

@@ -42,7 +42,7 @@ def _runs(world: int) -> list:
     for comp_name, compose in COMPOSITIONS.items():
         for reentrant in (False, True):
             name = f"{comp_name} {'reentrant' if reentrant else 'non-reentrant'}"
-            for raf in (True, False):
+            for raf in (None, True, False):
                 wrap = functools.partial(compose, reentrant=reentrant, reshard_after_forward=raf)
                 dropout_gpt = functools.partial(gpt, dropout=0.1)
                 runs.append(

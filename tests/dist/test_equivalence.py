@@ -1,5 +1,5 @@
 """FSDP training equals a single-process reference on the global batch: GPT and ConvNet,
-W = 1, 2, 3, fp32 / bf16 / fp16, reshard_after_forward on and off."""
+W = 1, 2, 3, fp32 / bf16 / fp16, reshard_after_forward default (None), on and off."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fsdp_lite.testing.reference import compare_training
 def _matrix(rank: int, world: int) -> dict:
     results = {}
     for precision in ("fp32", "bf16", "fp16"):
-        for raf in (True, False):
+        for raf in (None, True, False):
             for run in (gpt_run("gpt", world, precision, raf), convnet_run(world, precision, raf)):
                 compare_training(run)
                 results[run.name] = run.results

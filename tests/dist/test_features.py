@@ -50,7 +50,7 @@ def _eval_between_steps(model, ref, step: int) -> None:
 
 def _features(rank: int, world: int) -> dict:
     runs = []
-    for raf in (True, False):
+    for raf in (None, True, False):
         runs += [
             gpt_run("no_sync x2", world, raf=raf, accumulate=2),
             gpt_run("frozen params", world, raf=raf, make_model=frozen_gpt),

@@ -27,7 +27,7 @@ def _offloads(tmp: str) -> dict:
 
 def _equivalence(world: int, tmp: str) -> None:
     for name, offload in _offloads(tmp).items():
-        for raf in (True, False):
+        for raf in (None, True, False):
             wrap = functools.partial(wrap_blocks, offload=offload, reshard_after_forward=raf)
             compare_training(gpt_run(f"{name} offload", world, raf=raf, wrap=wrap))
         wrap = functools.partial(wrap_blocks, offload=offload)
