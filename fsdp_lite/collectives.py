@@ -60,6 +60,10 @@ class Handle:
         self.unit = unit
         self.device = device
 
+    @property
+    def waited(self) -> bool:
+        return self.work is None
+
     def is_done(self) -> bool:
         """True once the collective has completed (never blocks)."""
         with _peer_errors("polling a collective", self.unit):

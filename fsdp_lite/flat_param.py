@@ -225,7 +225,7 @@ class FlatParam:
                 grad.div_(ranks)
             out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
             work = collectives.reduce_scatter_flat(out, grad, self.group, unit=self.unit_name)
-        return PendingGrad(self, work, out, grad, 1 if low_precision else ranks)
+        return PendingGrad(self, work, out, 1 if low_precision else ranks)
 
 
 def _build_shard(
@@ -252,21 +252,21 @@ def _build_shard(
 
 @dataclass
 class PendingGrad:
-    """A reduce-scatter in flight; ``finish`` adds its result to the shard's fp32 grad."""
+    """A reduce-scatter in flight; ``finish`` adds its result to the shard's fp32 grad.
+
+    The full-size input is not referenced here: the process group keeps what the
+    collective needs alive until it completes (gloo reduces a copy of its own, NCCL
+    stashes the input or records its stream), and waiting releases the work and, with
+    it, that memory.
+    """
 
     flat: FlatParam
     work: collectives.Handle
     out: torch.Tensor  # (shard_numel,) in reduce dtype
-    send: torch.Tensor | None  # the input, kept alive until the collective completes
     divide_by: int  # what the result is still to be divided by (1: the input was)
 
-    def release_input(self) -> None:
-        """Wait for the collective, then drop its full-size input."""
-        self.work.wait()
-        self.send = None
-
     def finish(self) -> None:
-        self.release_input()
+        self.work.wait()
         if self.divide_by != 1:
             self.out.div_(self.divide_by)
         flat = self.flat

@@ -208,29 +208,31 @@ def post_backward(unit: FSDPModule, flat: FlatParam) -> None:
     with record_function("fsdp_lite::post_backward"):
         unit._state = TrainingState.POST_BACKWARD
         if unit._sync_grads:
+            retire_reduce_scatters(unit._ctx, issuing=1)
             pending = flat.reduce_scatter_grad(unit._reduce_dtype(flat))
             if pending is not None:
                 unit._ctx.pending.append(pending)
-                retire_reduce_scatters(unit._ctx)
         else:
             flat.accumulate_unsharded()
         flat.reshard()
 
 
-# Reduce-scatters whose full-size input may be held at once. Unbounded, a backward would
-# hold every unit's full gradient until its end.
-MAX_REDUCE_SCATTERS_IN_FLIGHT = 2
+# Reduce-scatters in flight at once. Until waited for, each holds memory the size of its
+# full gradient (gloo's copy; NCCL's stashed input). Unbounded, a backward would hold every
+# unit's full gradient until its end.
+MAX_REDUCE_SCATTERS_IN_FLIGHT = 1
 
 
-def retire_reduce_scatters(ctx: RootContext) -> None:
-    """Free the inputs of the reduce-scatters that are done, and wait for the oldest while
-    too many are in flight. Only local waits: the results are still added to the shard
-    grads at the end of backward, in issue order, so the ranks' collectives (the hybrid
-    replicate all-reduce) stay in the same order whatever the timing."""
-    holding = [p for p in ctx.pending if p.send is not None]
-    for i, pending in enumerate(holding):
-        if len(holding) - i > MAX_REDUCE_SCATTERS_IN_FLIGHT or pending.work.is_done():
-            pending.release_input()
+def retire_reduce_scatters(ctx: RootContext, issuing: int = 0) -> None:
+    """Wait for the reduce-scatters that are done, and for the oldest while more than
+    MAX_REDUCE_SCATTERS_IN_FLIGHT would be in flight with ``issuing`` more. Only local
+    waits: results reach the shard grads at the end of backward, in issue order, so the
+    ranks' collectives (the hybrid replicate all-reduce) keep the same order whatever the
+    timing."""
+    in_flight = [p for p in ctx.pending if not p.work.waited]
+    for i, pending in enumerate(in_flight):
+        if len(in_flight) - i + issuing > MAX_REDUCE_SCATTERS_IN_FLIGHT or pending.work.is_done():
+            pending.work.wait()
 
 
 def finish_backward(ctx: RootContext) -> None:

@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--checkpoint", action="store_true", help="activation-checkpoint every block (all systems)"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md", help="markdown report")
     p.add_argument("--json", type=Path, default=None, help="raw results (default: next to --out)")
     p.add_argument("--no-write", action="store_true", help="print the table, write nothing")
@@ -293,7 +296,8 @@ def report(args: argparse.Namespace, cfg: BenchConfig, results: dict, info: dict
         f"    {info['command']}",
         "",
         f"GPT: {cfg.layers} blocks, dim {cfg.dim}, {cfg.heads} heads, seq {cfg.seq}, "
-        f"batch {cfg.batch}/rank, vocab {cfg.vocab}, tied embedding, Ψ = {psi:,} parameters; "
+        f"batch {cfg.batch}/rank, vocab {cfg.vocab}, tied embedding, Ψ = {psi:,} parameters"
+        f"{', every block activation-checkpointed' if cfg.checkpoint else ''}; "
         f"W={args.world_size} ({info['backend']}), {cfg.threads} thread(s)/rank, AdamW; "
         f"median of {cfg.steps} steps after {cfg.warmup} warm-up"
         f"{f' in each of {args.rounds} interleaved rounds' if args.rounds > 1 else ''} "

@@ -43,6 +43,7 @@ class BenchConfig:
     seq: int = 256
     batch: int = 4  # sequences per rank per step
     vocab: int = 4096
+    checkpoint: bool = False  # activation checkpointing of every block, in every system
     steps: int = 20  # timed steps
     warmup: int = 3
     profile_steps: int = 3  # steps of the profiled (memory) pass; the first is not counted
@@ -67,9 +68,36 @@ class BenchConfig:
 
 
 def build_system(system: str, precision: str, cfg: BenchConfig, device: torch.device) -> nn.Module:
-    """The GPT (seeded identically on every rank and system), wrapped by ``system``."""
+    """The GPT (seeded identically on every rank and system), wrapped by ``system``, its
+    blocks activation-checkpointed (non-reentrant) if ``cfg.checkpoint``."""
+    model = _wrap(system, precision, cfg, device)
+    if cfg.checkpoint and system == "fsdp_lite":  # ckpt(unit(block))
+        fsdp_lite.apply_activation_checkpointing(
+            model, lambda m: isinstance(m, fsdp_lite.FSDPModule) and m is not model
+        )
+    elif cfg.checkpoint and system == "fsdp1":  # inside each FSDP unit, the usual recipe
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+        )
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    return model
+
+
+def _checkpoint_blocks(model: GPT) -> None:
+    """Before wrapping (FSDP2, DDP): every block behind torch's checkpoint wrapper."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+
+
+def _wrap(system: str, precision: str, cfg: BenchConfig, device: torch.device) -> nn.Module:
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.gpt_config()).to(device)
+    if cfg.checkpoint and system in ("fsdp2", "ddp"):
+        _checkpoint_blocks(model)
     bf16 = precision == "bf16"
     world = dist.get_world_size()
     if system == "fsdp_lite":

@@ -101,13 +101,13 @@ def _check_sequences() -> None:
 
 
 def _check_reduce_scatter_inputs_bounded() -> None:
-    """A backward holds at most MAX_REDUCE_SCATTERS_IN_FLIGHT full-size gradients waiting
-    on their reduce-scatter, not every unit's until its end."""
-    retire, holding = runtime.retire_reduce_scatters, []
+    """A backward keeps at most MAX_REDUCE_SCATTERS_IN_FLIGHT reduce-scatters (each holding
+    memory the size of a full gradient) in flight, not every unit's until its end."""
+    retire, in_flight = runtime.retire_reduce_scatters, []
 
-    def spy(ctx):
-        retire(ctx)
-        holding.append(sum(p.send is not None for p in ctx.pending))
+    def spy(ctx, issuing=0):
+        retire(ctx, issuing)
+        in_flight.append(sum(not p.work.waited for p in ctx.pending) + issuing)
 
     runtime.retire_reduce_scatters = spy
     try:
@@ -117,8 +117,8 @@ def _check_reduce_scatter_inputs_bounded() -> None:
             model(x, y)[1].backward()
     finally:
         runtime.retire_reduce_scatters = retire
-    assert len(holding) == 2 * 7, holding  # one reduce-scatter per unit per backward
-    assert max(holding) <= runtime.MAX_REDUCE_SCATTERS_IN_FLIGHT, holding
+    assert len(in_flight) == 2 * 7, in_flight  # before each unit's reduce-scatter
+    assert max(in_flight) <= runtime.MAX_REDUCE_SCATTERS_IN_FLIGHT, in_flight
 
 
 class Blocks(nn.Module):
