@@ -21,11 +21,9 @@ modes run the same kernels in the same order: their results are bitwise equal.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +31,21 @@ from torch.autograd.function import once_differentiable
 from torch.autograd.profiler import record_function
 from torch.func import functional_call
 
+from fsdp_lite.offload_slices import (
+    KeptGraph,
+    Resident,
+    RngState,
+    Slice,
+    canonical,
+    check_config,
+    get_rng,
+    partition,
+    pinned,
+    rng_restored,
+    set_rng,
+)
+
 _CPU = torch.device("cpu")
-_RngState = tuple[torch.Tensor, torch.Tensor | None]  # (CPU generator, device generator)
 _Grads = tuple[torch.Tensor | None, dict[int, torch.Tensor]]  # (input, id(master) -> param)
 
 
@@ -84,10 +95,10 @@ class OffloadModel(nn.Module):
         checkpoint_activation: bool = False,
         num_microbatches: int = 1,
     ) -> None:
-        _check_config(model, num_slices, num_microbatches)
+        check_config(model, num_slices, num_microbatches)
         super().__init__()
-        self.device = _canonical(device)
-        self.offload_device = _canonical(offload_device)
+        self.device = canonical(device)
+        self.offload_device = canonical(offload_device)
         self.checkpoint_activation = checkpoint_activation
         self.num_microbatches = num_microbatches
         # Pinned host memory and non_blocking copies pay off between CPU and CUDA only.
@@ -100,13 +111,13 @@ class OffloadModel(nn.Module):
             self.add_module(name, layer)
         model.to(self.offload_device)
         names, layers = list(model._modules), list(model._modules.values())
-        bounds = _partition([sum(p.numel() for p in m.parameters()) for m in layers], num_slices)
+        bounds = partition([sum(p.numel() for p in m.parameters()) for m in layers], num_slices)
         self._slices = [
-            _Slice(i, tuple(names[a:b]), tuple(layers[a:b]))
+            Slice(i, tuple(names[a:b]), tuple(layers[a:b]))
             for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
         ]
         if self._pinned:  # parameters keep their identity (Module._apply sets .data)
-            super()._apply(_pin)
+            super()._apply(pinned)
 
     @property
     def slices(self) -> tuple[tuple[str, ...], ...]:
@@ -133,10 +144,10 @@ class OffloadModel(nn.Module):
         self._checked = True
         return x
 
-    def _load_slice(self, s: _Slice, *, grad: bool) -> _Resident:
+    def _load_slice(self, s: Slice, *, grad: bool) -> Resident:
         """Copy slice ``s``'s parameters (requiring grad if ``grad``) and buffers to device."""
         self._mark_resident(s.index)
-        r = _Resident(s.index, {}, {}, [], {})
+        r = Resident(s.index, {}, {}, [], {})
         with record_function(f"OffloadModel::load_slice{s.index}"):
             for layer in s.layers:
                 tensors = {}
@@ -152,7 +163,7 @@ class OffloadModel(nn.Module):
                 r.per_layer.append(tensors)
         return r
 
-    def _drop_slice(self, r: _Resident, *, write_back: bool, free: bool = False) -> None:
+    def _drop_slice(self, r: Resident, *, write_back: bool, free: bool = False) -> None:
         """Forget slice ``r``'s copies: ``write_back`` copies buffers home first; ``free``
         releases the parameter copies' storage but keeps the tensors (and the views
         autograd saved of them) for ``_refill_slice``."""
@@ -164,7 +175,7 @@ class OffloadModel(nn.Module):
                 copy.untyped_storage().resize_(0)
         self._resident.discard(r.index)
 
-    def _refill_slice(self, r: _Resident) -> None:
+    def _refill_slice(self, r: Resident) -> None:
         """Re-allocate the freed parameter copies and copy the masters into them."""
         self._mark_resident(r.index)
         with record_function(f"OffloadModel::load_slice{r.index}"), torch.no_grad():
@@ -180,24 +191,24 @@ class OffloadModel(nn.Module):
 
     def _run_slice(
         self,
-        s: _Slice,
+        s: Slice,
         x: torch.Tensor,
         home: torch.device,
         *,
-        rng: list[_RngState] | None = None,
+        rng: list[RngState] | None = None,
         keep: bool = False,
         input_grad: bool = False,
-    ) -> tuple[torch.Tensor, _KeptGraph | None]:
+    ) -> tuple[torch.Tensor, KeptGraph | None]:
         """Run slice ``s`` over the chunks of ``x``, output on ``home``. With ``rng``,
         append the RNG state before each chunk to it. With ``keep``, run with autograd
         and return each chunk's graph for backward, the parameter copies' storage freed."""
         r = self._load_slice(s, grad=keep)
-        kept = _KeptGraph(r, [], []) if keep else None
+        kept = KeptGraph(r, [], []) if keep else None
 
         def outputs() -> Iterator[torch.Tensor]:
             for chunk in self._chunks(x):
                 if rng is not None:
-                    rng.append(_get_rng(self.device))
+                    rng.append(get_rng(self.device))
                 leaf, h = self._enter(chunk, input_grad)
                 out = self._call_layers(s, r, h)
                 if kept is not None:
@@ -214,7 +225,7 @@ class OffloadModel(nn.Module):
             self._drop_slice(r, write_back=ok, free=keep)
         return out, kept
 
-    def _call_layers(self, s: _Slice, r: _Resident, h: torch.Tensor) -> torch.Tensor:
+    def _call_layers(self, s: Slice, r: Resident, h: torch.Tensor) -> torch.Tensor:
         for name, layer, tensors in zip(s.names, s.layers, r.per_layer, strict=True):
             h = functional_call(layer, tensors, (h,))
             if not isinstance(h, torch.Tensor):
@@ -253,18 +264,18 @@ class OffloadModel(nn.Module):
             self._drop_slice(r, write_back=False, free=not ctx.checkpoint)
 
     def _recompute(
-        self, s: _Slice, r: _Resident, saved: torch.Tensor, ctx: Any, grads: Iterable
+        self, s: Slice, r: Resident, saved: torch.Tensor, ctx: Any, grads: Iterable
     ) -> Iterator[_Grads]:
         """Per chunk: recompute it with grad from its saved RNG state and backpropagate."""
         for chunk, state, grad in zip(self._chunks(saved), ctx.rng, grads, strict=True):
-            with _rng_restored(state, self.device), torch.enable_grad():
+            with rng_restored(state, self.device), torch.enable_grad():
                 leaf, h = self._enter(chunk, ctx.input_grad)
                 out = self._call_layers(s, r, h)
             yield self._chunk_grads(out, leaf, grad, r)
 
     @staticmethod
     def _chunk_grads(
-        out: torch.Tensor, leaf: torch.Tensor | None, grad: torch.Tensor, r: _Resident
+        out: torch.Tensor, leaf: torch.Tensor | None, grad: torch.Tensor, r: Resident
     ) -> _Grads:
         """One chunk's gradients: its input's, and each parameter copy's that got one."""
         keys = [k for k, (_, copy) in r.params.items() if copy.requires_grad]
@@ -275,7 +286,7 @@ class OffloadModel(nn.Module):
         g_leaf = got.pop(0) if leaf is not None else None
         return g_leaf, {k: g for k, g in zip(keys, got, strict=True) if g is not None}
 
-    def _sum_grads(self, per_chunk: Iterable[_Grads], r: _Resident, x_dev: torch.device) -> _Grads:
+    def _sum_grads(self, per_chunk: Iterable[_Grads], r: Resident, x_dev: torch.device) -> _Grads:
         """Sum the chunks' parameter grads (chunk 0 first), gather their input grads, and
         move both to where the input and the masters live."""
         totals: dict[int, torch.Tensor] = {}
@@ -336,14 +347,14 @@ class OffloadModel(nn.Module):
     @contextlib.contextmanager
     def _restored_on_error(self) -> Iterator[None]:
         """Put buffers and RNG state back if the body raises."""
-        buffers, rng = [(b, b.clone()) for b in self.buffers()], _get_rng(self.device)
+        buffers, rng = [(b, b.clone()) for b in self.buffers()], get_rng(self.device)
         try:
             yield
         except BaseException:
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
-            _set_rng(rng, self.device)
+            set_rng(rng, self.device)
             raise
 
     def _apply(
@@ -353,37 +364,7 @@ class OffloadModel(nn.Module):
         if to != self.offload_device:
             raise RuntimeError(f"OffloadModel lives on offload_device={self.offload_device}")
         super()._apply(fn, recurse)
-        return super()._apply(_pin) if self._pinned else self
-
-
-@dataclass(frozen=True)
-class _Slice:
-    index: int
-    names: tuple[str, ...]  # the layers' names in the wrapped Sequential
-    layers: tuple[nn.Module, ...]
-
-    def params(self) -> list[nn.Parameter]:
-        """The slice's master parameters, each once, in a fixed order."""
-        return list(nn.ModuleList(self.layers).parameters())
-
-
-@dataclass
-class _Resident:
-    """One slice's device copies while it is loaded."""
-
-    index: int
-    params: dict[int, tuple[nn.Parameter, torch.Tensor]]  # id(master) -> (master, copy)
-    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]]  # id(master) -> (master, copy)
-    per_layer: list[dict[str, torch.Tensor]]  # per layer: name -> copy, for functional_call
-    nbytes: dict[int, int]  # id(master) -> the copy's storage bytes while freed
-
-
-class _KeptGraph(NamedTuple):
-    """Without checkpointing: one slice's forward graph, kept for backward."""
-
-    resident: _Resident  # its parameter copies' storage is freed until backward refills it
-    leaves: list[torch.Tensor | None]  # per chunk: the input leaf (None: no input grad)
-    outputs: list[torch.Tensor]  # per chunk: the output rooting the chunk's graph
+        return super()._apply(pinned) if self._pinned else self
 
 
 class _SliceFunction(torch.autograd.Function):
@@ -415,67 +396,3 @@ class _SliceFunction(torch.autograd.Function):
         owner = ctx.owner
         grad_x, grads = owner._backward_slice(ctx, grad_out)
         return (None, None, grad_x, *(grads.get(id(p)) for p in owner._slices[ctx.index].params()))
-
-
-def _check_config(model: object, num_slices: int, num_microbatches: int) -> None:
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(f"OffloadModel wraps an nn.Sequential, got {type(model).__name__}")
-    if not isinstance(num_slices, int) or not 1 <= num_slices <= len(model):
-        raise ValueError(
-            f"num_slices must be between 1 and the number of layers ({len(model)}), "
-            f"got {num_slices!r}"
-        )
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
-
-
-def _partition(counts: list[int], n: int) -> list[int]:
-    """Boundaries ``[0, ..., len(counts)]`` cutting ``counts`` into ``n`` non-empty runs
-    with sums near ``sum / n`` each: each cut goes where the running sum is nearest its
-    target, after any parameter-free layers (activations stay with the layer before)."""
-    counts = counts if sum(counts) else [1] * len(counts)
-    prefix = [0]
-    for c in counts:
-        prefix.append(prefix[-1] + c)
-    length, bounds = len(counts), [0]
-    for i in range(1, n):
-        target, last = prefix[-1] * i / n, length - (n - i)  # last: leave a layer per slice
-        hi = bisect.bisect_left(prefix, target)  # first cut reaching the target
-        best = max(hi if prefix[hi] - target <= target - prefix[hi - 1] else hi - 1, bounds[-1] + 1)
-        while best < last and counts[best] == 0:
-            best += 1
-        bounds.append(min(best, last))
-    return bounds + [length]
-
-
-def _pin(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_pinned() else t.pin_memory()
-
-
-def _canonical(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _get_rng(device: torch.device) -> _RngState:
-    """The CPU generator's state, and ``device``'s generator's when it has its own."""
-    if device.type == "cpu":
-        return torch.get_rng_state(), None
-    return torch.get_rng_state(), torch.get_device_module(device).get_rng_state(device)
-
-
-def _set_rng(state: _RngState, device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.get_device_module(device).set_rng_state(state[1], device)
-
-
-@contextlib.contextmanager
-def _rng_restored(state: _RngState, device: torch.device) -> Iterator[None]:
-    """Run the body from RNG state ``state``, leaving the generators as they were."""
-    devices = [] if device.type == "cpu" else [device]
-    with torch.random.fork_rng(devices=devices, device_type=device.type):
-        _set_rng(state, device)
-        yield
