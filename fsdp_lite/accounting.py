@@ -59,8 +59,14 @@ def record_wait(unit: str | None, seconds: float) -> None:
 
 
 def record_cuda_wait(unit: str | None, start: Any, end: Any) -> None:
-    """A CUDA stream stall between two events, resolved lazily when stats are read."""
+    """A CUDA stream stall between two events, resolved lazily when stats are read (or,
+    without blocking, once many are pending, so a run that never reads stats stays bounded)."""
     _REC.cuda_waits.append((unit, start, end))
+    if len(_REC.cuda_waits) >= _MAX_PENDING_EVENTS:
+        _resolve_cuda_waits(block=False)
+
+
+_MAX_PENDING_EVENTS = 512
 
 
 def full_allocated(flat_key: int, unit_key: int, nbytes: int) -> None:
@@ -76,11 +82,18 @@ def full_freed(flat_key: int, unit_key: int) -> None:
         _REC._owners[unit_key] -= 1
 
 
-def _resolve_cuda_waits() -> None:
+def _resolve_cuda_waits(block: bool = True) -> None:
+    """Turn recorded event pairs into exposed time: all of them (``block``: waits for the
+    device), or only those already done."""
+    pending = []
     for unit, start, end in _REC.cuda_waits:
-        end.synchronize()
+        if block:
+            end.synchronize()
+        elif not end.query():
+            pending.append((unit, start, end))
+            continue
         record_wait(unit, start.elapsed_time(end) / 1e3)
-    _REC.cuda_waits.clear()
+    _REC.cuda_waits[:] = pending
 
 
 def stats() -> dict[str, Any]:

@@ -74,12 +74,13 @@ class Handle:
         if work is None:
             return
         if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)  # the one work.wait() holds
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             with _peer_errors("waiting for a collective", self.unit):
                 work.wait()
-            end.record()
+            end.record(stream)
             accounting.record_cuda_wait(self.unit, start, end)
         else:
             t0 = time.perf_counter()
@@ -293,14 +294,17 @@ class _Guard:
             return
         entry = (op, unit or "-", tensor.numel())
         if self.mode == "thorough" or self.iteration < 2:
-            self._compare(entry, group)
+            self._compare(entry, group, tensor.device)
         self.log.append(entry)
         self.fingerprint = zlib.crc32(repr(entry).encode(), self.fingerprint)
 
-    def _compare(self, entry: tuple[str, str, int], group: ProcessGroup) -> None:
+    def _compare(
+        self, entry: tuple[str, str, int], group: ProcessGroup, device: torch.device
+    ) -> None:
+        # On the collective's device: an NCCL group takes CUDA tensors only.
         code = [_OPS[entry[0]], zlib.crc32(entry[1].encode()), entry[2]]
-        mine = torch.tensor(code, dtype=torch.int64)
-        everyone = torch.empty(world_size(group) * 3, dtype=torch.int64)
+        mine = torch.tensor(code, dtype=torch.int64, device=device)
+        everyone = torch.empty(world_size(group) * 3, dtype=torch.int64, device=device)
         accounting.record_collective("divergence_check", everyone, None)
         self._busy = True
         try:
@@ -320,12 +324,13 @@ class _Guard:
             "the same units in the same order (no data-dependent skipping of wrapped modules)"
         )
 
-    def end_iteration(self, group: ProcessGroup) -> None:
-        """At the root's forward: compare the last iteration's fingerprints across ranks."""
+    def end_iteration(self, group: ProcessGroup, device: torch.device) -> None:
+        """At the root's forward: compare the last iteration's fingerprints across ranks
+        (a two-element all-reduce on ``device``, the root's compute device)."""
         if self.mode == "off" or world_size(group) == 1:
             self.iteration += 1
             return
-        both = torch.tensor([self.fingerprint, -self.fingerprint], dtype=torch.int64)
+        both = torch.tensor([self.fingerprint, -self.fingerprint], dtype=torch.int64, device=device)
         accounting.record_collective("divergence_check", both, None)
         self._busy = True
         try:

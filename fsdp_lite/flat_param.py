@@ -210,7 +210,7 @@ class FlatParam:
         if grad is not None:
             self.unsharded_grad = grad.to(self.shard.dtype)
 
-    def reduce_scatter_grad(self, reduce_dtype: torch.Tensor) -> PendingGrad | None:
+    def reduce_scatter_grad(self, reduce_dtype: torch.dtype) -> PendingGrad | None:
         """Start the averaging reduce-scatter of this backward's gradient."""
         grad = self.take_grad()
         if grad is None:

@@ -167,7 +167,7 @@ class FSDPModule(nn.Module):
         self._state = TrainingState.FORWARD
         try:
             if self._is_root:
-                collectives.GUARD.end_iteration(self.process_group)
+                collectives.GUARD.end_iteration(self.process_group, self.device)
                 ctx.forward_order.start()
             with record_function("fsdp_lite::unshard"):
                 runtime.unshard_with_prefetch(self, backward=False)

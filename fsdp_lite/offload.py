@@ -131,8 +131,8 @@ class CPUHome(DeviceHome):
         self._staged.append((flat, host))  # added once the copy is known to be done
 
     def end_of_backward(self) -> None:
-        if not self._staged:
-            return
+        # Also with nothing staged: the optimizer writes the host shards next, and
+        # non-blocking host-to-device copies of them (gathers) may still be reading.
         collectives.synchronize(self.device)
         for flat, host in self._staged:
             super().accumulate_grad(flat, host)

@@ -351,6 +351,8 @@ class OffloadModel(nn.Module):
         try:
             yield
         except BaseException:
+            if self._pinned:  # non-blocking copies may still read the pinned masters
+                torch.cuda.synchronize(self.device)
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
