@@ -64,11 +64,6 @@ class Handle:
     def waited(self) -> bool:
         return self.work is None
 
-    def is_done(self) -> bool:
-        """True once the collective has completed (never blocks)."""
-        with _peer_errors("polling a collective", self.unit):
-            return self.work is None or self.work.is_completed()
-
     def wait(self) -> None:
         work, self.work = self.work, None  # waited for at most once, even if it fails
         if work is None:

@@ -208,7 +208,7 @@ def post_backward(unit: FSDPModule, flat: FlatParam) -> None:
     with record_function("fsdp_lite::post_backward"):
         unit._state = TrainingState.POST_BACKWARD
         if unit._sync_grads:
-            retire_reduce_scatters(unit._ctx, issuing=1)
+            wait_previous_reduce_scatter(unit._ctx)
             pending = flat.reduce_scatter_grad(unit._reduce_dtype(flat))
             if pending is not None:
                 unit._ctx.pending.append(pending)
@@ -217,22 +217,15 @@ def post_backward(unit: FSDPModule, flat: FlatParam) -> None:
         flat.reshard()
 
 
-# Reduce-scatters in flight at once. Until waited for, each holds memory the size of its
-# full gradient (gloo's copy; NCCL's stashed input). Unbounded, a backward would hold every
-# unit's full gradient until its end.
-MAX_REDUCE_SCATTERS_IN_FLIGHT = 1
-
-
-def retire_reduce_scatters(ctx: RootContext, issuing: int = 0) -> None:
-    """Wait for the reduce-scatters that are done, and for the oldest while more than
-    MAX_REDUCE_SCATTERS_IN_FLIGHT would be in flight with ``issuing`` more. Only local
-    waits: results reach the shard grads at the end of backward, in issue order, so the
-    ranks' collectives (the hybrid replicate all-reduce) keep the same order whatever the
-    timing."""
-    in_flight = [p for p in ctx.pending if not p.work.waited]
-    for i, pending in enumerate(in_flight):
-        if len(in_flight) - i + issuing > MAX_REDUCE_SCATTERS_IN_FLIGHT or pending.work.is_done():
-            pending.work.wait()
+def wait_previous_reduce_scatter(ctx: RootContext) -> None:
+    """Before a unit issues its reduce-scatter: wait for the one before it, so at most one
+    is in flight. Until waited for, each holds memory the size of its full gradient
+    (gloo's copy; NCCL's stashed input); the previous one had this unit's whole backward
+    to finish. Only a local wait: results reach the shard grads at the end of backward,
+    in issue order, so the ranks' collectives (the hybrid replicate all-reduce) keep the
+    same order whatever the timing."""
+    if ctx.pending:
+        ctx.pending[-1].work.wait()  # every earlier one was waited for the same way
 
 
 def finish_backward(ctx: RootContext) -> None:

@@ -101,24 +101,24 @@ def _check_sequences() -> None:
 
 
 def _check_reduce_scatter_inputs_bounded() -> None:
-    """A backward keeps at most MAX_REDUCE_SCATTERS_IN_FLIGHT reduce-scatters (each holding
-    memory the size of a full gradient) in flight, not every unit's until its end."""
-    retire, in_flight = runtime.retire_reduce_scatters, []
+    """A backward keeps at most one reduce-scatter (holding memory the size of a full
+    gradient) in flight, not every unit's until its end."""
+    wait_previous, in_flight = runtime.wait_previous_reduce_scatter, []
 
-    def spy(ctx, issuing=0):
-        retire(ctx, issuing)
-        in_flight.append(sum(not p.work.waited for p in ctx.pending) + issuing)
+    def spy(ctx):
+        wait_previous(ctx)
+        in_flight.append(sum(not p.work.waited for p in ctx.pending) + 1)  # + the next
 
-    runtime.retire_reduce_scatters = spy
+    runtime.wait_previous_reduce_scatter = spy
     try:
         model = wrap_blocks(gpt(n_layer=6))
         x, y = token_batch(1, 0)
         for _ in range(2):
             model(x, y)[1].backward()
     finally:
-        runtime.retire_reduce_scatters = retire
+        runtime.wait_previous_reduce_scatter = wait_previous
     assert len(in_flight) == 2 * 7, in_flight  # before each unit's reduce-scatter
-    assert max(in_flight) <= runtime.MAX_REDUCE_SCATTERS_IN_FLIGHT, in_flight
+    assert max(in_flight) <= 1, in_flight
 
 
 class Blocks(nn.Module):
