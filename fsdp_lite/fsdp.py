@@ -126,17 +126,7 @@ class FSDPModule(nn.Module):
             )
             apply_policy(module, auto_wrap_policy, make_unit)
         self._unit_name = type(module).__name__  # refined to the module path at lazy init
-        # The flat params this unit owns; each shard is registered as flat_param_<i>.
-        self._flat_params: list[FlatParam] = build_flat_params(
-            self, module, _defer_params, sync_module_states
-        )
-        for i, flat in enumerate(self._flat_params):
-            self.register_parameter(f"flat_param_{i}", flat.shard)
-            # Weak references: autograd holds the hook from C++, where Python's garbage
-            # collector cannot see the cycle unit -> flat -> full -> hook -> unit.
-            flat.post_accumulate_hook = functools.partial(
-                _post_accumulate, weakref.ref(self), weakref.ref(flat)
-            )
+        self._flat_params = self._own_parameters(module, _defer_params, sync_module_states)
         prepare_buffers(self, module, sync_module_states)
         install_fp32_modules(module, mixed_precision)
         module.__dict__["_fsdp_lite_wrapped"] = True
@@ -333,6 +323,21 @@ class FSDPModule(nn.Module):
             return state
 
         return deferred_init.make_plan(module, init_fn, self.device, rank0_state)
+
+    def _own_parameters(
+        self, module: nn.Module, defer: frozenset[int], sync: bool
+    ) -> list[FlatParam]:
+        """Flatten the parameters no nested unit owns; register each shard as
+        ``flat_param_<i>`` and hook its full gradient to this unit's post-backward."""
+        flats = build_flat_params(self, module, defer, sync)
+        for i, flat in enumerate(flats):
+            self.register_parameter(f"flat_param_{i}", flat.shard)
+            # Weak references: autograd holds the hook from C++, where Python's garbage
+            # collector cannot see the cycle unit -> flat -> full -> hook -> unit.
+            flat.post_accumulate_hook = functools.partial(
+                _post_accumulate, weakref.ref(self), weakref.ref(flat)
+            )
+        return flats
 
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.modules() if isinstance(m, FSDPModule)]
