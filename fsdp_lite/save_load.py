@@ -23,12 +23,7 @@ multi-chunk tensor); DCP records them and, on load, intersects the boxes saved a
 world size with those requested at another. 0-dim parameters are broadcast from their
 owner and saved whole.
 
-[Note: atomic saves]
-All ranks write into ``<path>.tmp``; DCP writes ``.metadata`` last, after every rank's
-data. Only then does rank 0 move the previous checkpoint to ``<path>.old``, rename
-``<path>.tmp`` to ``<path>`` and delete ``<path>.old``. A crash before the renames leaves
-``<path>`` untouched; a crash between them leaves ``<path>.old``, which loading falls
-back to and the next save restores. ``<path>`` on a shared file system is assumed.
+Writing is atomic: see ``atomic_dir``.
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -52,7 +46,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from fsdp_lite import collectives
+from fsdp_lite import atomic_dir, collectives
 from fsdp_lite import optim_state as _optim
 from fsdp_lite.flat_param import FlatParam
 from fsdp_lite.state_dict import (
@@ -191,7 +185,7 @@ def save_checkpoint(
         items[f"extra.rank{collectives.rank(group)}"] = dict(extra or {})
         shards = collectives.world_size(model.process_group)
         items[MARKER] = {"format": FORMAT, "shards": shards, "optimizer": optimizer is not None}
-        _on_rank0(group, _prepare_dir, path, tmp)
+        _on_rank0(group, atomic_dir.prepare, path, tmp)
         dcp.save(
             items,
             storage_writer=dcp.FileSystemWriter(tmp),
@@ -202,7 +196,7 @@ def save_checkpoint(
             ),
             process_group=group,
         )
-    _on_rank0(group, _publish, tmp, path)
+    _on_rank0(group, atomic_dir.publish, tmp, path)
 
 
 def _checkpoint_group(model: FSDPModule) -> collectives.ProcessGroup:
@@ -232,40 +226,6 @@ def _on_rank0(group: collectives.ProcessGroup, fn: Callable, *args: Any) -> None
     error = collectives.broadcast_object(error, group)
     if error is not None:
         raise CheckpointError(f"checkpoint directory operation failed on rank 0: {error}")
-
-
-def _prepare_dir(path: str, tmp: str) -> None:
-    old = path + ".old"
-    if not os.path.exists(path) and os.path.isdir(old):
-        os.rename(old, path)  # a save was killed between its two renames: restore
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path) and not _is_replaceable(path):
-        raise FileExistsError(f"{path} exists and is not a checkpoint: refusing to replace it")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
-    os.makedirs(tmp)
-
-
-def _is_replaceable(path: str) -> bool:
-    return os.path.isdir(path) and (
-        not os.listdir(path) or os.path.exists(os.path.join(path, ".metadata"))
-    )
-
-
-def _publish(tmp: str, path: str) -> None:
-    old = path + ".old"
-    if os.path.exists(path):
-        os.rename(path, old)
-    os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- loading --------------------------------------------------------------------
@@ -316,11 +276,10 @@ def load_checkpoint(
 
 
 def _existing_checkpoint(path: str) -> str:
-    if os.path.isdir(path):
-        return path
-    if os.path.isdir(path + ".old"):  # a save was killed between its two renames
-        return path + ".old"
-    raise CheckpointError(f"no checkpoint at {path}")
+    found = atomic_dir.committed(path)
+    if found is None:
+        raise CheckpointError(f"no checkpoint at {path}")
+    return found
 
 
 def _read_metadata(path: str) -> Metadata:
