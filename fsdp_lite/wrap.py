@@ -38,6 +38,29 @@ def by_size(min_num_params: int) -> Policy:
     return policy
 
 
+def transformer_layers(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The layer classes a Hugging Face model says must not be split across devices
+    (``_no_split_modules``, e.g. ``LlamaDecoderLayer``), found among ``model``'s modules.
+
+    Use with ``by_type``: ``auto_wrap_policy=wrap.by_type(*wrap.transformer_layers(model))``.
+    Raises if the model names none, or none of the named classes occurs in it.
+    """
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    found: dict[str, type[nn.Module]] = {}
+    for m in model.modules():
+        if type(m).__name__ in names:
+            found.setdefault(type(m).__name__, type(m))
+    if not found:
+        raise ValueError(
+            f"wrap.transformer_layers: {type(model).__name__} names no layer classes in "
+            f"_no_split_modules (or none of {sorted(names)} occurs in it); pass the block "
+            "classes yourself: wrap.by_type(MyBlock)"
+        )
+    return tuple(found.values())
+
+
 def any_of(*policies: Policy) -> Policy:
     """Wrap a module if any of ``policies`` would."""
     if not policies or not all(callable(p) for p in policies):
