@@ -1,6 +1,7 @@
-"""FSDPModule: one unit of fully sharded data parallelism.
+"""FSDPModule: the public front of one unit of fully sharded data parallelism.
 
-A reader follows one training step here (forward) and in ``runtime.py`` (backward).
+The unit's state and its step (forward and backward hooks on the wrapped module) are
+in ``unit.py``; this class builds the unit at wrap time and holds the public API.
 """
 
 from __future__ import annotations
@@ -8,22 +9,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.profiler import record_function
 
 from fsdp_lite import collectives, deferred_init, runtime
 from fsdp_lite import state_dict as _state_dict
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.checkpoint import CheckpointWrapper
-from fsdp_lite.flat_param import FlatParam
 from fsdp_lite.grads import nonfinite_units, total_norm
 from fsdp_lite.offload import CPUOffload, DeviceHome, SSDOffload
 from fsdp_lite.state import TrainingState, check_state
+from fsdp_lite.tree import UNIT_ATTR, units_of
+from fsdp_lite.unit import Unit
 from fsdp_lite.unit_init import (
     build_flat_params,
     check_wrappable,
@@ -102,15 +101,22 @@ class FSDPModule(nn.Module):
         # are then averaged over replicate_group (None otherwise).
         self.process_group, self.replicate_group = collectives.resolve_groups(process_group)
         self.device = collectives.default_device(device)
-        self._reshard_after_forward_arg = reshard_after_forward
-        self.reshard_after_forward = reshard_after_forward is not False  # resolved at lazy init
         self.mixed_precision = mixed_precision
         self.prefetch = prefetch
         rank = collectives.rank(self.process_group)
-        self._home = offload.make_home(self.device, rank) if offload else DeviceHome(self.device)
+        unit = Unit(
+            module,
+            process_group=self.process_group,
+            replicate_group=self.replicate_group,
+            device=self.device,
+            mixed_precision=mixed_precision,
+            prefetch=prefetch,
+            reshard_after_forward=reshard_after_forward,
+            home=offload.make_home(self.device, rank) if offload else DeviceHome(self.device),
+        )
+        self.__dict__[UNIT_ATTR] = unit
         if _init_plan is None and deferred_init.has_meta_tensors(module):
             _init_plan = self._plan_deferred_init(module, param_init_fn)
-        self._init_plan = _init_plan
         if auto_wrap_policy is not None:
             make_unit = functools.partial(
                 _wrap_child,
@@ -125,60 +131,32 @@ class FSDPModule(nn.Module):
                 _init_plan=_init_plan,
             )
             apply_policy(module, auto_wrap_policy, make_unit)
-        self._unit_name = type(module).__name__  # refined to the module path at lazy init
-        self._flat_params = self._own_parameters(module, _defer_params, sync_module_states)
-        prepare_buffers(self, module, sync_module_states)
+        unit.own(build_flat_params(unit, module, _defer_params, sync_module_states, _init_plan))
+        for i, flat in enumerate(unit.flat_params):
+            self.register_parameter(f"flat_param_{i}", flat.shard)
+        prepare_buffers(unit, module, sync_module_states)
         install_fp32_modules(module, mixed_precision)
         module.__dict__["_fsdp_lite_wrapped"] = True
-        self._state = TrainingState.IDLE
-        self._sync_grads = True  # False inside no_sync()
-        self._is_root: bool | None = None  # decided at the first forward
-        self._ctx: runtime.RootContext | None = None  # shared with every unit of the root's tree
+        unit.register_hooks()
+        module._register_state_dict_hook(
+            functools.partial(_state_dict.module_state_dict_hook, unit)
+        )
 
     # -- public ------------------------------------------------------------------
 
     @property
     def training_state(self) -> TrainingState:
-        return self._state
+        return self._unit.state
+
+    @property
+    def reshard_after_forward(self) -> bool | None:
+        """As given at wrap time (``None``: decided per step by
+        ``Unit.keeps_full_after_forward``)."""
+        return self._unit.reshard_after_forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._lazy_init()
-        mp = self.mixed_precision
-        if self._is_root and mp is not None and mp.cast_inputs:
-            args, kwargs = runtime.cast_floats((args, kwargs), mp.param_dtype)
-        if runtime.in_backward():  # activation-checkpoint recompute
-            runtime.pre_backward(self)
-            self._use_full_params()
-            return self.module(*args, **kwargs)
-        ctx = self._ctx
-        if self._is_root:
-            runtime.recover_if_interrupted(ctx)
-        check_state(self._unit_name, self._state, TrainingState.IDLE, doing="run forward")
-        self._state = TrainingState.FORWARD
-        try:
-            if self._is_root:
-                collectives.GUARD.end_iteration(self.process_group, self.device)
-                ctx.forward_order.start()
-            with record_function("fsdp_lite::unshard"):
-                runtime.unshard_with_prefetch(self, backward=False)
-                self._use_full_params()
-            output = self.module(*args, **kwargs)
-        except BaseException:
-            self._reshard()
-            self._state = TrainingState.IDLE
-            if self._is_root:
-                runtime.end_of_root_forward(ctx)
-            raise
-        grad_enabled = torch.is_grad_enabled()
-        if grad_enabled:
-            runtime.register_pre_backward(self, output)
-        keep = not self.reshard_after_forward or runtime.first_in_backward(self)
-        if not (grad_enabled and keep):
-            self._reshard()
-        self._state = TrainingState.IDLE
-        if self._is_root:
-            runtime.end_of_root_forward(ctx)
-        return output
+        """Run the wrapped module; its hooks gather and reshard (see ``unit.py``)."""
+        return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -187,16 +165,16 @@ class FSDPModule(nn.Module):
         The first backward outside the context reduce-scatters the sum. Costs one
         unsharded fp32 gradient per flat param for the duration.
         """
-        units = self._units()
+        units = units_of(self)
         for unit in units:
-            check_state(unit._unit_name, unit._state, TrainingState.IDLE, doing="enter no_sync")
+            check_state(unit.name, unit.state, TrainingState.IDLE, doing="enter no_sync")
         for unit in units:
-            unit._sync_grads = False
+            unit.sync_grads = False
         try:
             yield
         finally:
             for unit in units:
-                unit._sync_grads = True
+                unit.sync_grads = True
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -209,10 +187,10 @@ class FSDPModule(nn.Module):
         with ``error_if_nonfinite``, else warned about, leaving the grads unscaled so the
         caller can skip the step: ``if torch.isfinite(norm): optimizer.step()``.
         """
-        units = self._units()
+        units = units_of(self)
         for unit in units:
-            check_state(unit._unit_name, unit._state, TrainingState.IDLE, doing="clip_grad_norm_")
-        grads = [f.shard.grad for u in units for f in u._flat_params if f.shard.grad is not None]
+            check_state(unit.name, unit.state, TrainingState.IDLE, doing="clip_grad_norm_")
+        grads = [f.shard.grad for u in units for f in u.flat_params if f.shard.grad is not None]
         total = total_norm(grads, float(norm_type), self.device, self.process_group)
         if not torch.isfinite(total):
             bad = nonfinite_units(units, self.device, self.process_group)
@@ -229,8 +207,8 @@ class FSDPModule(nn.Module):
     def reset_training_state(self) -> None:
         """After an exception inside backward: return every unit to IDLE, resharded, with no
         reduction in flight. (The root's next forward does this by itself, with a warning.)"""
-        if self._ctx is not None:
-            runtime.reset(self._ctx)
+        if self._unit.ctx is not None:
+            runtime.reset(self._unit.ctx)
 
     def state_dict(
         self,
@@ -324,53 +302,15 @@ class FSDPModule(nn.Module):
 
         return deferred_init.make_plan(module, init_fn, self.device, rank0_state)
 
-    def _own_parameters(
-        self, module: nn.Module, defer: frozenset[int], sync: bool
-    ) -> list[FlatParam]:
-        """Flatten the parameters no nested unit owns; register each shard as
-        ``flat_param_<i>`` and hook its full gradient to this unit's post-backward."""
-        flats = build_flat_params(self, module, defer, sync)
-        for i, flat in enumerate(flats):
-            self.register_parameter(f"flat_param_{i}", flat.shard)
-            # Weak references: autograd holds the hook from C++, where Python's garbage
-            # collector cannot see the cycle unit -> flat -> full -> hook -> unit.
-            flat.post_accumulate_hook = functools.partial(
-                _post_accumulate, weakref.ref(self), weakref.ref(flat)
-            )
-        return flats
-
-    def _units(self) -> list[FSDPModule]:
-        return [m for m in self.modules() if isinstance(m, FSDPModule)]
-
-    def _lazy_init(self) -> None:
-        """Make the first unit to run forward the root of every unit below it."""
-        if self._ctx is not None:
-            return
-        units = self._units()
-        ctx = runtime.RootContext(units=units, prefetch=self.prefetch)
-        names = {id(m): n for n, m in _state_dict.clean_named_modules(self)}
-        for unit in units:
-            unit._is_root = unit is self
-            unit._ctx = ctx
-            inner = unit.module
-            while isinstance(inner, CheckpointWrapper):
-                inner = inner.checkpointed
-            path = names.get(id(inner), "")
-            unit._unit_name = path or f"<root {type(unit.module).__name__}>"
-            if unit._reshard_after_forward_arg is None:
-                unit.reshard_after_forward = not unit._is_root
-            for flat in unit._flat_params:
-                flat.unit_name, flat.unit_key = unit._unit_name, id(unit)
-
-    def _use_full_params(self) -> None:
-        for flat in self._flat_params:
-            flat.unshard()
-            flat.use_full_views()
+    @property
+    def _unit(self) -> Unit:
+        return self.__dict__[UNIT_ATTR]
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds for the whole tree: shards, shard grads, full params now,
         and the largest unit's full params (what one gather allocates)."""
-        flats = [f for u in self._units() for f in u._flat_params]
+        units = units_of(self)
+        flats = [f for u in units for f in u.flat_params]
         return {
             "shard_bytes": sum(f.shard.numel() * f.shard.element_size() for f in flats),
             "grad_bytes": sum(
@@ -380,21 +320,9 @@ class FSDPModule(nn.Module):
             ),
             "full_bytes_now": sum(f.full_nbytes for f in flats if f.is_unsharded),
             "largest_unit_full_bytes": max(
-                (sum(f.full_nbytes for f in u._flat_params) for u in self._units()), default=0
+                (sum(f.full_nbytes for f in u.flat_params) for u in units), default=0
             ),
         }
-
-    def _reshard(self) -> None:
-        for flat in self._flat_params:
-            flat.reshard()
-
-    def _reduce_dtype(self, flat: FlatParam) -> torch.dtype:
-        mp = self.mixed_precision
-        return flat.compute_dtype if mp is None else mp.effective_reduce_dtype
-
-
-def _post_accumulate(unit_ref: weakref.ref, flat_ref: weakref.ref, full: torch.Tensor) -> None:
-    runtime.post_backward(unit_ref(), flat_ref())
 
 
 def _wrap_child(child: nn.Module, defer: set[int], **kwargs: Any) -> FSDPModule:

@@ -9,7 +9,7 @@ import torch
 from fsdp_lite import collectives
 
 if TYPE_CHECKING:
-    from fsdp_lite.fsdp import FSDPModule
+    from fsdp_lite.unit import Unit
 
 
 def total_norm(
@@ -28,14 +28,14 @@ def total_norm(
 
 
 def nonfinite_units(
-    units: list[FSDPModule], device: torch.device, group: collectives.ProcessGroup
+    units: list[Unit], device: torch.device, group: collectives.ProcessGroup
 ) -> list[str]:
     """Names of the units with a non-finite grad on any rank (collective)."""
     flags = torch.tensor(
         [
             any(
                 f.shard.grad is not None and not bool(torch.isfinite(f.shard.grad).all())
-                for f in u._flat_params
+                for f in u.flat_params
             )
             for u in units
         ],
@@ -43,4 +43,4 @@ def nonfinite_units(
         device=device,
     )
     collectives.all_reduce(flags, group, op="max")
-    return [u._unit_name for u, bad in zip(units, flags.tolist(), strict=True) if bad]
+    return [u.name for u, bad in zip(units, flags.tolist(), strict=True) if bad]

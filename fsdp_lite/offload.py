@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_lite import collectives
+from fsdp_lite.tree import units_of
 
 if TYPE_CHECKING:
     from fsdp_lite.flat_param import FlatParam
@@ -226,11 +227,7 @@ def offload_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Mo
     """Move the optimizer's per-parameter moments (e.g. AdamW's ``exp_avg``/``exp_avg_sq``)
     of SSD-offloaded shards into the same files, after the optimizer's first step, and drop
     every offloaded page after each step. Call once, right after building the optimizer."""
-    homes = {
-        id(flat.shard): flat.home
-        for unit in model.modules()
-        for flat in getattr(unit, "_flat_params", [])
-    }
+    homes = {id(flat.shard): flat.home for unit in units_of(model) for flat in unit.flat_params}
     moved: set[int] = set()
 
     def after_step(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
 from fsdp_lite import collectives
 from fsdp_lite.flat_param import FlatParam
@@ -44,9 +45,6 @@ from fsdp_lite.state_dict import (
     param_names,
     write_shard,
 )
-
-if TYPE_CHECKING:
-    from fsdp_lite.fsdp import FSDPModule
 
 OptimStateDict = dict[str, Any]
 
@@ -61,7 +59,7 @@ class FlatEntry:
     state: dict[str, Any]  # this rank's optimizer state of flat.shard (shard-shaped tensors)
 
 
-def optimizer_entries(root: FSDPModule, optimizer: torch.optim.Optimizer) -> list[FlatEntry]:
+def optimizer_entries(root: nn.Module, optimizer: torch.optim.Optimizer) -> list[FlatEntry]:
     """The optimizer's parameters in its own order, each matched to its flat param."""
     by_shard = {id(f.shard): f for f in flat_params(root)}
     names = param_names(root)
@@ -97,7 +95,7 @@ def group_records(optimizer: torch.optim.Optimizer, entries: list[FlatEntry]) ->
 
 
 def full_optim_state_dict(
-    root: FSDPModule, optimizer: torch.optim.Optimizer, rank0_only: bool = True
+    root: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = True
 ) -> OptimStateDict:
     """The optimizer's state keyed by parameter names, full shapes, on CPU (collective).
 
@@ -153,7 +151,7 @@ def _check_same_state_layout(entries: list[FlatEntry], group: collectives.Proces
 
 @torch.no_grad()
 def load_full_optim_state_dict(
-    root: FSDPModule,
+    root: nn.Module,
     optimizer: torch.optim.Optimizer,
     osd: OptimStateDict,
     rank0_only: bool = False,

@@ -1,28 +1,27 @@
-"""Per-iteration runtime: pre/post-backward hooks and the end-of-backward callback.
+"""What the root owns for its whole tree, per iteration: the recorded unit orders that
+prefetching follows, the reduce-scatters in flight, and the end-of-backward callback.
 
-Hooks open by checking the unit's TrainingState and return early when their work
-is already done; only these functions and ``FSDPModule.forward`` move a unit
-between states.
+The step of one unit is in ``unit.py``; only it and these functions move a unit between
+TrainingStates.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from fsdp_lite.api import PrefetchPolicy
-from fsdp_lite.flat_param import FlatParam, PendingGrad
-from fsdp_lite.state import TrainingState, check_state
+from fsdp_lite.flat_param import PendingGrad
+from fsdp_lite.state import TrainingState
 
 if TYPE_CHECKING:
-    from fsdp_lite.fsdp import FSDPModule
+    from fsdp_lite.unit import Unit
 
 
 @dataclass
@@ -33,8 +32,8 @@ class ExecOrder:
     prefetching for the rest of that pass rather than gather the wrong unit.
     """
 
-    recorded: list[FSDPModule] | None = None  # frozen after the first pass
-    recording: list[FSDPModule] = field(default_factory=list)
+    recorded: list[Unit] | None = None  # frozen after the first pass
+    recording: list[Unit] = field(default_factory=list)
     cursor: int = 0  # position of the next expected unit in this pass
     on_track: bool = False
 
@@ -42,7 +41,7 @@ class ExecOrder:
         self.cursor = 0
         self.on_track = self.recorded is not None
 
-    def visit(self, unit: FSDPModule, ahead: int) -> list[FSDPModule]:
+    def visit(self, unit: Unit, ahead: int) -> list[Unit]:
         """Note that ``unit`` runs now; return the ``ahead`` units expected next."""
         if self.recorded is None:
             self.recording.append(unit)
@@ -64,15 +63,15 @@ class ExecOrder:
 class RootContext:
     """What the root owns for every unit of its tree, shared by reference."""
 
-    units: list[FSDPModule]  # every unit in the root's tree, root first
+    units: list[Unit]  # every unit in the root's tree, root first
     prefetch: PrefetchPolicy | None  # the root's policy applies to the whole tree
     callback_queued: bool = False  # the end-of-backward callback of this backward
     pending: list[PendingGrad] = field(default_factory=list)  # reduce-scatters in flight
     forward_order: ExecOrder = field(default_factory=ExecOrder)
     backward_order: ExecOrder = field(default_factory=ExecOrder)
-    prefetched: set[FSDPModule] = field(default_factory=set)  # gathered ahead, not yet run
+    prefetched: set[Unit] = field(default_factory=set)  # gathered ahead, not yet run
 
-    def next_units(self, unit: FSDPModule, backward: bool) -> list[FSDPModule]:
+    def next_units(self, unit: Unit, backward: bool) -> list[Unit]:
         """Record ``unit`` in this pass's order and return the units to prefetch now."""
         order = self.backward_order if backward else self.forward_order
         policy = self.prefetch
@@ -84,22 +83,6 @@ class RootContext:
         return [u for u in targets if u is not unit]
 
 
-def unshard_with_prefetch(unit: FSDPModule, backward: bool) -> None:
-    """Issue ``unit``'s gather, then the next units' gathers, then wait for ``unit``'s own."""
-    ctx = unit._ctx
-    ctx.prefetched.discard(unit)
-    for flat in unit._flat_params:
-        flat.unshard(async_op=True)
-    for other in ctx.next_units(unit, backward):
-        if backward and other._state is not TrainingState.IDLE:
-            continue  # its backward already ran
-        ctx.prefetched.add(other)
-        for flat in other._flat_params:
-            flat.unshard(async_op=True)
-    for flat in unit._flat_params:
-        flat.wait_unshard()
-
-
 def reset(ctx: RootContext) -> None:
     """Forget an interrupted iteration: every unit resharded and IDLE, nothing in flight."""
     for pending in ctx.pending:
@@ -107,8 +90,7 @@ def reset(ctx: RootContext) -> None:
             pending.work.wait()
     ctx.pending.clear()
     for unit in ctx.units:
-        unit._reshard()
-        unit._state = TrainingState.IDLE
+        unit.end_backward()
     ctx.prefetched.clear()
     ctx.callback_queued = False
 
@@ -119,7 +101,7 @@ def recover_if_interrupted(ctx: RootContext) -> None:
     if in_backward():
         return
     in_backward_states = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-    if ctx.callback_queued or any(u._state in in_backward_states for u in ctx.units):
+    if ctx.callback_queued or any(u.state in in_backward_states for u in ctx.units):
         warnings.warn(
             "fsdp_lite: the previous backward did not finish (did it raise?); resetting every "
             "unit to IDLE and dropping its unfinished gradient reductions",
@@ -128,26 +110,12 @@ def recover_if_interrupted(ctx: RootContext) -> None:
         reset(ctx)
 
 
-def first_in_backward(unit: FSDPModule) -> bool:
-    """Should ``unit`` stay gathered after forward, as the root does? Yes under the default
-    ``reshard_after_forward=None`` with backward prefetching on, when this pass follows
-    the recorded order and ``unit`` is the first after the root in the recorded backward
-    order: backward would start by gathering it again (one gather and its wait saved)."""
-    ctx = unit._ctx
-    policy, recorded = ctx.prefetch, ctx.backward_order.recorded
-    if unit._reshard_after_forward_arg is not None or policy is None or not policy.backward:
-        return False
-    if not recorded or not ctx.forward_order.on_track:
-        return False
-    return next((u for u in recorded if not u._is_root), None) is unit
-
-
 def end_of_root_forward(ctx: RootContext) -> None:
     """Freeze the forward order after the first pass; free gathers nobody used."""
     ctx.forward_order.freeze()
     for unit in ctx.prefetched:
-        if unit._state is TrainingState.IDLE:
-            unit._reshard()
+        if unit.state is TrainingState.IDLE:
+            unit.reshard()
     ctx.prefetched.clear()
 
 
@@ -165,56 +133,6 @@ def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
-
-
-def register_pre_backward(unit: FSDPModule, output: Any) -> None:
-    """Hook every output tensor that needs a gradient; the first to fire re-gathers."""
-    tensors, _ = tree_flatten(output)
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(functools.partial(_pre_backward_hook, unit))
-
-
-def _pre_backward_hook(unit: FSDPModule, grad: torch.Tensor) -> None:
-    pre_backward(unit)
-
-
-def pre_backward(unit: FSDPModule) -> None:
-    """Re-gather ``unit``'s full parameters before its backward runs (once per backward)."""
-    ctx = unit._ctx
-    if not ctx.callback_queued:
-        ctx.callback_queued = True
-        ctx.backward_order.start()
-        torch.autograd.Variable._execution_engine.queue_callback(
-            functools.partial(finish_backward, ctx)
-        )
-    if unit._state is not TrainingState.IDLE:
-        return
-    with record_function("fsdp_lite::pre_backward"):
-        unit._state = TrainingState.PRE_BACKWARD
-        unshard_with_prefetch(unit, backward=True)
-
-
-def post_backward(unit: FSDPModule, flat: FlatParam) -> None:
-    """After ``flat``'s gradient is complete: reduce-scatter it (or keep it under no_sync)."""
-    check_state(
-        unit._unit_name,
-        unit._state,
-        TrainingState.PRE_BACKWARD,
-        TrainingState.POST_BACKWARD,
-        doing="run its post-backward hook (its pre-backward hook never ran: were its outputs "
-        "detached or passed outside the autograd graph?)",
-    )
-    with record_function("fsdp_lite::post_backward"):
-        unit._state = TrainingState.POST_BACKWARD
-        if unit._sync_grads:
-            wait_previous_reduce_scatter(unit._ctx)
-            pending = flat.reduce_scatter_grad(unit._reduce_dtype(flat))
-            if pending is not None:
-                unit._ctx.pending.append(pending)
-        else:
-            flat.accumulate_unsharded()
-        flat.reshard()
 
 
 def wait_previous_reduce_scatter(ctx: RootContext) -> None:
@@ -237,12 +155,11 @@ def finish_backward(ctx: RootContext) -> None:
         for pending in ctx.pending:
             pending.finish()
         ctx.pending.clear()
-        homes = {id(f.home): f.home for u in ctx.units for f in u._flat_params}
+        homes = {id(f.home): f.home for u in ctx.units for f in u.flat_params}
         for home in homes.values():
             home.end_of_backward()
         for unit in ctx.units:
-            unit._reshard()
-            unit._state = TrainingState.IDLE
+            unit.end_backward()
         ctx.prefetched.clear()
         ctx.backward_order.freeze()
         ctx.callback_queued = False

@@ -33,10 +33,11 @@ import math
 import os
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import (
@@ -57,9 +58,7 @@ from fsdp_lite.state_dict import (
     validate_keys,
     write_shard,
 )
-
-if TYPE_CHECKING:
-    from fsdp_lite.fsdp import FSDPModule
+from fsdp_lite.tree import units_of
 
 FORMAT = 1
 MARKER = "fsdp_lite"
@@ -137,7 +136,7 @@ def _load_dest(flat: FlatParam, i: int, scratch: torch.Tensor, after: list[Calla
 # -- what goes into a checkpoint ----------------------------------------------------
 
 
-def _model_items(model: FSDPModule) -> dict[str, Any]:
+def _model_items(model: nn.Module) -> dict[str, Any]:
     slots, tensors = state_dict_layout(model)
     items = {f"model.{k}": _save_value(flat, i, flat.shard) for k, (flat, i) in slots.items()}
     for key, (tensor, dtype) in tensors.items():
@@ -145,7 +144,7 @@ def _model_items(model: FSDPModule) -> dict[str, Any]:
     return items
 
 
-def _optim_items(model: FSDPModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _optim_items(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     entries = _optim.optimizer_entries(model, optimizer)
     items: dict[str, Any] = {"optim.param_groups": _optim.group_records(optimizer, entries)}
     for e in entries:
@@ -160,7 +159,7 @@ def _optim_items(model: FSDPModule, optimizer: torch.optim.Optimizer) -> dict[st
 
 def save_checkpoint(
     path: str | os.PathLike,
-    model: FSDPModule,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Any] | None = None,
 ) -> None:
@@ -199,7 +198,7 @@ def save_checkpoint(
     _on_rank0(group, atomic_dir.publish, tmp, path)
 
 
-def _checkpoint_group(model: FSDPModule) -> collectives.ProcessGroup:
+def _checkpoint_group(model: nn.Module) -> collectives.ProcessGroup:
     """The ranks that save and load together: the shard group or, with hybrid sharding,
     every replica's ranks (each box is then written once, by one replica)."""
     replicate = getattr(model, "replicate_group", None)
@@ -233,7 +232,7 @@ def _on_rank0(group: collectives.ProcessGroup, fn: Callable, *args: Any) -> None
 
 def load_checkpoint(
     path: str | os.PathLike,
-    model: FSDPModule,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     """Restore ``model`` (and ``optimizer``) in place from a ``save_checkpoint`` directory
@@ -302,7 +301,7 @@ def _read_metadata(path: str) -> Metadata:
     return metadata
 
 
-def _model_dest(model: FSDPModule, keys: dict, after: list[Callable]):
+def _model_dest(model: nn.Module, keys: dict, after: list[Callable]):
     shapes = {
         k.removeprefix("model."): tuple(md.size)
         for k, md in keys.items()
@@ -323,8 +322,8 @@ def _model_dest(model: FSDPModule, keys: dict, after: list[Callable]):
 
     @torch.no_grad()
     def apply() -> None:
-        for unit in model._units():
-            unit._reshard()  # full params kept by reshard_after_forward=False would go stale
+        for unit in units_of(model):
+            unit.reshard()  # full params kept by reshard_after_forward=False would go stale
         for flat, _ in slots.values():
             flat.shard.copy_(scratch[id(flat)])
         for key, (tensor, _) in tensors.items():
@@ -333,7 +332,7 @@ def _model_dest(model: FSDPModule, keys: dict, after: list[Callable]):
     return dest, apply
 
 
-def _optim_dest(model: FSDPModule, optimizer: torch.optim.Optimizer, keys: dict, after: list):
+def _optim_dest(model: nn.Module, optimizer: torch.optim.Optimizer, keys: dict, after: list):
     entries = _optim.optimizer_entries(model, optimizer)
     kinds: dict[str, dict[str, tuple]] = {}
     for key, md in keys.items():

@@ -21,26 +21,13 @@ from torch import nn
 from fsdp_lite import collectives
 from fsdp_lite.flat_param import FlatParam, ParamSlot
 from fsdp_lite.state import TrainingState, check_state
+from fsdp_lite.tree import clean_named_modules, units_of
 
 if TYPE_CHECKING:
-    from fsdp_lite.fsdp import FSDPModule
+    from fsdp_lite.unit import Unit
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 Location = tuple[int, str]  # (id(module), attribute)
-
-
-def clean_named_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """Like ``named_modules`` of the unwrapped model: unit and checkpoint wrappers are
-    stepped over."""
-    from fsdp_lite.checkpoint import CheckpointWrapper
-    from fsdp_lite.fsdp import FSDPModule
-
-    while isinstance(module, FSDPModule | CheckpointWrapper):
-        module = module.module if isinstance(module, FSDPModule) else module.checkpointed
-    yield prefix.rstrip("."), module
-    for name, child in module._modules.items():
-        if child is not None:
-            yield from clean_named_modules(child, f"{prefix}{name}.")
 
 
 def _param_names(module: nn.Module) -> list[str]:
@@ -56,20 +43,20 @@ def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             yield name, buf
 
 
-def check_idle(root: FSDPModule, doing: str) -> list[FSDPModule]:
+def check_idle(root: nn.Module, doing: str) -> list[Unit]:
     """Every unit of ``root``'s tree, after checking that each is IDLE."""
-    units = root._units()
+    units = units_of(root)
     for unit in units:
-        check_state(unit._unit_name, unit._state, TrainingState.IDLE, doing=doing)
+        check_state(unit.name, unit.state, TrainingState.IDLE, doing=doing)
     return units
 
 
-def flat_params(root: FSDPModule) -> list[FlatParam]:
+def flat_params(root: nn.Module) -> list[FlatParam]:
     """Every flat param of the tree, in the same order on every rank."""
-    return [flat for unit in root._units() for flat in unit._flat_params]
+    return [flat for unit in units_of(root) for flat in unit.flat_params]
 
 
-def is_rank0(root: FSDPModule) -> bool:
+def is_rank0(root: nn.Module) -> bool:
     """Rank 0 of the model's ranks: of its shard group and, with hybrid sharding, of its
     replicate group too (global rank 0 for ``fsdp_lite.hybrid_groups``)."""
     replicate = getattr(root, "replicate_group", None)
@@ -77,7 +64,7 @@ def is_rank0(root: FSDPModule) -> bool:
     return collectives.rank(root.process_group) == 0 and first_replica
 
 
-def broadcast_from_rank0(root: FSDPModule, tensor: torch.Tensor) -> None:
+def broadcast_from_rank0(root: nn.Module, tensor: torch.Tensor) -> None:
     """In place, from ``is_rank0``'s rank to every rank of the model (collective): across
     the replicas first (between the shard groups' rank 0s), then within each shard group."""
     replicate = getattr(root, "replicate_group", None)
@@ -86,7 +73,7 @@ def broadcast_from_rank0(root: FSDPModule, tensor: torch.Tensor) -> None:
     collectives.broadcast(tensor, root.process_group)
 
 
-def broadcast_object_from_rank0(root: FSDPModule, obj: Any) -> Any:
+def broadcast_object_from_rank0(root: nn.Module, obj: Any) -> Any:
     replicate = getattr(root, "replicate_group", None)
     if replicate is not None and collectives.rank(root.process_group) == 0:
         obj = collectives.broadcast_object(obj, replicate)
@@ -152,7 +139,7 @@ def write_shard(shard: torch.Tensor, flat: FlatParam, values: dict[int, torch.Te
             shard[at : at + hi - lo].copy_(values[i].reshape(-1)[lo:hi])
 
 
-def param_names(root: FSDPModule) -> dict[int, str]:
+def param_names(root: nn.Module) -> dict[int, str]:
     """id(slot) -> the parameter's name in the unwrapped module's ``named_parameters()``
     (a tied parameter appears once, under its first name)."""
     slot_at: dict[Location, ParamSlot] = {}
@@ -171,7 +158,7 @@ def param_names(root: FSDPModule) -> dict[int, str]:
 
 
 def state_dict_layout(
-    root: FSDPModule,
+    root: nn.Module,
 ) -> tuple[dict[str, tuple[FlatParam, int]], dict[str, tuple[torch.Tensor, torch.dtype]]]:
     """Where each key of the full state dict lives: ``key -> (flat param, slot index)`` for
     flattened parameters (tied ones under every name), and ``key -> (tensor, dtype to
@@ -200,7 +187,7 @@ def state_dict_layout(
 # -- full state dict ----------------------------------------------------------------
 
 
-def expected_shapes(root: FSDPModule) -> dict[str, torch.Size]:
+def expected_shapes(root: nn.Module) -> dict[str, torch.Size]:
     """Every key of the full state dict and its shape, in the unwrapped module's order."""
     shapes: dict[Location, torch.Size] = {}
     for flat in flat_params(root):
@@ -241,7 +228,7 @@ def _gather_slots(flats: list[FlatParam], grads: bool, keep: bool) -> dict[Locat
     return values
 
 
-def full_state_dict(root: FSDPModule, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(root: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Gather every unit's parameters in fp32 onto CPU (collective: call on every rank).
 
     With ``rank0_only`` other ranks return ``{}`` and hold at most one flat param's full
@@ -266,7 +253,7 @@ def full_state_dict(root: FSDPModule, rank0_only: bool = False) -> dict[str, tor
     return sd
 
 
-def full_grads(root: FSDPModule) -> dict[str, torch.Tensor]:
+def full_grads(root: nn.Module) -> dict[str, torch.Tensor]:
     """Gradients of every trainable parameter, unsharded, keyed like the state dict.
 
     Collective; for tests and debugging (it materializes every gradient on every rank).
@@ -281,6 +268,33 @@ def full_grads(root: FSDPModule) -> dict[str, torch.Tensor]:
             if (id(module), name) in values:
                 out[pre + name] = values[(id(module), name)]
     return out
+
+
+def module_state_dict_hook(
+    unit: Unit, module: nn.Module, destination: dict, prefix: str, local_metadata: Any
+) -> None:
+    """``state_dict()`` called on the wrapped module itself (``model.module.state_dict()``,
+    which HF's ``save_pretrained`` calls): add the full fp32 values of the unit's own
+    parameters, which its modules no longer hold, in the unwrapped model's key order, and
+    buffers in their original dtype. Nested units add theirs through their wrappers'
+    ``state_dict``. Collective, like ``FSDPModule.state_dict``: every rank must call it."""
+    check_state(unit.name, unit.state, TrainingState.IDLE, doing="produce a state dict")
+    values = _gather_slots(unit.flat_params, grads=False, keep=True)
+    order = []
+    for path, sub in clean_named_modules(module):
+        pre = prefix + (f"{path}." if path else "")
+        for name in _param_names(sub):
+            if (id(sub), name) in values:
+                destination[pre + name] = values[(id(sub), name)]
+            order.append(pre + name)
+        dtypes = sub.__dict__.get("_fsdp_lite_buffer_dtypes", {})
+        for name, _ in _persistent_buffers(sub):
+            if pre + name in destination and name in dtypes:
+                destination[pre + name] = destination[pre + name].to(dtypes[name])
+            order.append(pre + name)
+    for key in order:  # the unwrapped model's order
+        if key in destination:
+            destination[key] = destination.pop(key)
 
 
 # -- loading ------------------------------------------------------------------------
@@ -319,7 +333,7 @@ def validate_keys(
 
 @torch.no_grad()
 def load_full_state_dict(
-    root: FSDPModule, sd: dict[str, Any], strict: bool = True, rank0_only: bool = False
+    root: nn.Module, sd: dict[str, Any], strict: bool = True, rank0_only: bool = False
 ) -> IncompatibleKeys:
     """Load a full state dict into the shards (collective when ``rank0_only``).
 
@@ -342,8 +356,8 @@ def load_full_state_dict(
     result = validate_keys(expected_shapes(root), shapes, strict, "load_state_dict")
     keys = {id(m): (f"{p}." if p else "") for p, m in clean_named_modules(root)}
     for unit in units:
-        unit._reshard()  # full params kept by reshard_after_forward=False would go stale
-        for flat in unit._flat_params:
+        unit.reshard()  # full params kept by reshard_after_forward=False would go stale
+        for flat in unit.flat_params:
             found = {i: _find_key(shapes, keys, s.locations) for i, s in enumerate(flat.slots)}
             found = {i: k for i, k in found.items() if k is not None}
             if not found:
@@ -365,7 +379,7 @@ def load_full_state_dict(
 
 
 def broadcast_slots(
-    root: FSDPModule,
+    root: nn.Module,
     flat: FlatParam,
     values: dict[int, torch.Tensor],
     present: list[int],

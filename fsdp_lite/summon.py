@@ -20,9 +20,10 @@ from torch import nn
 from fsdp_lite.flat_param import FlatParam
 from fsdp_lite.state import TrainingState, check_state
 from fsdp_lite.state_dict import is_rank0, write_shard
+from fsdp_lite.tree import unit_of
 
 if TYPE_CHECKING:
-    from fsdp_lite.fsdp import FSDPModule
+    from fsdp_lite.unit import Unit
 
 # What one location held before the summon (the storage-less view of the full buffer).
 _Saved = list[tuple[nn.Module, str, object]]
@@ -30,7 +31,7 @@ _Saved = list[tuple[nn.Module, str, object]]
 
 @contextlib.contextmanager
 def summon_full_params(
-    root: FSDPModule,
+    root: nn.Module,
     writeback: bool = True,
     rank0_only: bool = False,
     offload_to_cpu: bool = False,
@@ -45,22 +46,23 @@ def summon_full_params(
             "rank 0 would see the full parameters, so edits could not reach the other "
             "ranks' shards. Pass writeback=False, or rank0_only=False"
         )
-    units = root._units() if recurse else [root]
+    # The wrappers (their shards are registered on them) and their units; a forward
+    # inside is refused by the units' own pre-forward (state SUMMON_FULL_PARAMS).
+    wrappers = [m for m in root.modules() if unit_of(m) is not None] if recurse else [root]
+    units: list[Unit] = [unit_of(m) for m in wrappers]
     for unit in units:
-        check_state(unit._unit_name, unit._state, TrainingState.IDLE, doing="summon_full_params")
+        check_state(unit.name, unit.state, TrainingState.IDLE, doing="summon_full_params")
     keep = not rank0_only or is_rank0(root)
-    flats = [flat for unit in units for flat in unit._flat_params]
+    flats = [flat for unit in units for flat in unit.flat_params]
     saved: list[_Saved] = []
-    # Refuse forward inside with the state error, before the root's forward looks around.
-    hooks = [unit.register_forward_pre_hook(_refuse_forward) for unit in units]
     for unit in units:
-        unit._state = TrainingState.SUMMON_FULL_PARAMS
+        unit.state = TrainingState.SUMMON_FULL_PARAMS
     try:
         for flat in flats:
             saved.append(_install_full(flat, keep, offload_to_cpu))
         _restore_param_order(saved)
         if keep:  # hide the shards: inside, parameters() yields the originals only
-            saved.append(_hide_shards(units))
+            saved.append(_hide_shards(wrappers))
         yield
         if writeback:
             for flat in flats:
@@ -69,13 +71,7 @@ def summon_full_params(
         for entries in saved:
             _uninstall(entries)
         for unit in units:
-            unit._state = TrainingState.IDLE
-        for hook in hooks:
-            hook.remove()
-
-
-def _refuse_forward(unit: FSDPModule, args: object) -> None:
-    check_state(unit._unit_name, unit._state, TrainingState.IDLE, doing="run forward")
+            unit.state = TrainingState.IDLE
 
 
 @torch.no_grad()
@@ -96,13 +92,13 @@ def _install_full(flat: FlatParam, keep: bool, offload_to_cpu: bool) -> _Saved:
     return saved
 
 
-def _hide_shards(units: list[FSDPModule]) -> _Saved:
+def _hide_shards(wrappers: list[nn.Module]) -> _Saved:
     hidden: _Saved = []
-    for unit in units:
-        shards = {id(flat.shard) for flat in unit._flat_params}
-        for name, param in list(unit._parameters.items()):
+    for wrapper in wrappers:
+        shards = {id(flat.shard) for flat in unit_of(wrapper).flat_params}
+        for name, param in list(wrapper._parameters.items()):
             if id(param) in shards:
-                hidden.append((unit, name, unit._parameters.pop(name)))
+                hidden.append((wrapper, name, wrapper._parameters.pop(name)))
     return hidden
 
 

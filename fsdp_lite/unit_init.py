@@ -12,49 +12,28 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fsdp_lite import collectives, deferred_init, runtime
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.flat_param import FlatParam, ParamSlot
-from fsdp_lite.state_dict import clean_named_modules
+from fsdp_lite.tree import clean_named_modules, region_modules, unit_of
 from fsdp_lite.wrap import unowned_parameters
 
 if TYPE_CHECKING:
-    from fsdp_lite.fsdp import FSDPModule
-
-
-def region_modules(module: nn.Module) -> list[nn.Module]:
-    """``module`` and its descendants, not descending into nested units (each once)."""
-    from fsdp_lite.fsdp import FSDPModule
-
-    out: list[nn.Module] = []
-    seen: set[int] = set()
-
-    def visit(m: nn.Module) -> None:
-        if id(m) in seen or isinstance(m, FSDPModule):
-            return
-        seen.add(id(m))
-        out.append(m)
-        for child in m._modules.values():
-            if child is not None:
-                visit(child)
-
-    visit(module)
-    return out
+    from fsdp_lite.unit import Unit
 
 
 def _flattened_by_nested(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
     """id(original param) -> (unit name, param) for parameters nested units already own."""
-    from fsdp_lite.fsdp import FSDPModule
-
     owned: dict[int, tuple[str, nn.Parameter]] = {}
     for name, sub in module.named_modules():
-        if isinstance(sub, FSDPModule):
-            for flat in sub._flat_params:
+        unit = unit_of(sub)
+        if unit is not None:
+            for flat in unit.flat_params:
                 for ref in flat.original_refs:
                     p = ref()
                     if p is not None:
-                        owned[id(p)] = (name or type(sub.module).__name__, p)
+                        owned[id(p)] = (name or type(unit.module).__name__, p)
     return owned
 
 
-def _check_split_modules(unit: FSDPModule, module: nn.Module) -> None:
+def _check_split_modules(unit: Unit, module: nn.Module) -> None:
     """Refuse a module whose parameters another unit sharded, met again outside that unit:
     a module registered at several places, only some of them inside a unit wrapped by hand.
     The other places would read that unit's full buffer while it is freed."""
@@ -64,7 +43,7 @@ def _check_split_modules(unit: FSDPModule, module: nn.Module) -> None:
         if owner is None or owner is unit:
             continue
         paths = [n for n, m in module.named_modules(remove_duplicate=False) if m is sub]
-        inside = next((n for n, m in module.named_modules() if m is owner), None)
+        inside = next((n for n, m in module.named_modules() if unit_of(m) is owner), None)
         where = f"the unit '{inside}'" if inside else "another unit"
         raise ValueError(
             f"module {type(sub).__name__} is registered at several places ({', '.join(paths)}) "
@@ -74,7 +53,7 @@ def _check_split_modules(unit: FSDPModule, module: nn.Module) -> None:
         )
 
 
-def _compute_dtype(unit: FSDPModule, sub: nn.Module, p: nn.Parameter) -> torch.dtype:
+def _compute_dtype(unit: Unit, sub: nn.Module, p: nn.Parameter) -> torch.dtype:
     mp = unit.mixed_precision
     if mp is None or isinstance(sub, mp.fp32_module_types):
         return p.dtype
@@ -110,9 +89,7 @@ def _check_param(name: str, p: nn.Parameter, owned: dict) -> None:
         )
 
 
-def _make_flat(
-    unit: FSDPModule, members: list, compute_dtype: torch.dtype, sync: bool
-) -> FlatParam:
+def _make_flat(unit: Unit, members: list, compute_dtype: torch.dtype, sync: bool) -> FlatParam:
     """One FlatParam from (slot, original) pairs; the originals leave their modules."""
     offset = 0
     for slot, _ in members:
@@ -124,7 +101,7 @@ def _make_flat(
         group=unit.process_group,
         device=unit.device,
         compute_dtype=compute_dtype,
-        home=unit._home,
+        home=unit.home,
         replicate_group=unit.replicate_group,
         sync=sync,
     )
@@ -139,16 +116,20 @@ def _make_flat(
 
 
 def build_flat_params(
-    unit: FSDPModule, module: nn.Module, defer: frozenset[int], sync: bool
+    unit: Unit,
+    module: nn.Module,
+    defer: frozenset[int],
+    sync: bool,
+    init_plan: deferred_init.InitPlan | None,
 ) -> list[FlatParam]:
     """Flatten the parameters of ``module`` that no nested unit owns, one FlatParam per
     (dtype, requires_grad, compute dtype), and replace them by views of the full buffer."""
     _check_split_modules(unit, module)
     owned = _flattened_by_nested(module)
     names = {id(m): n for n, m in clean_named_modules(module)}
-    if unit._init_plan is not None:  # deferred init: this unit's modules only, now
+    if init_plan is not None:  # deferred init: this unit's modules only, now
         for sub in region_modules(module):
-            deferred_init.materialize(sub, names.get(id(sub), "?"), unit._init_plan)
+            deferred_init.materialize(sub, names.get(id(sub), "?"), init_plan)
     groups: dict[tuple, list[tuple[ParamSlot, nn.Parameter]]] = {}
     slot_of: dict[int, ParamSlot] = {}
     key_of: dict[int, tuple] = {}  # id(param) -> its flat param's group key
@@ -180,7 +161,7 @@ def build_flat_params(
     ]
 
 
-def prepare_buffers(unit: FSDPModule, module: nn.Module, sync: bool) -> None:
+def prepare_buffers(unit: Unit, module: nn.Module, sync: bool) -> None:
     """Move this unit's buffers to its device, optionally sync them from rank 0, and cast
     them to ``buffer_dtype`` (fp32 modules keep theirs); remember original dtypes."""
     mp = unit.mixed_precision
@@ -206,12 +187,11 @@ def check_wrappable(
     offload: object,
 ) -> None:
     """Reject bad arguments before anything is changed."""
-    from fsdp_lite.fsdp import FSDPModule
     from fsdp_lite.offload import CPUOffload, SSDOffload
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"FSDPModule wraps an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule) or module.__dict__.get("_fsdp_lite_wrapped"):
+    if unit_of(module) is not None or module.__dict__.get("_fsdp_lite_wrapped"):
         raise ValueError(
             f"{type(module).__name__} is already wrapped by fsdp_lite.FSDPModule: "
             "wrap each module once (nest units by wrapping children first, then the parent)"

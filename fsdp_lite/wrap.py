@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from fsdp_lite.tree import unit_of
+
 Policy = Callable[[nn.Module], bool]
 
 
@@ -73,9 +75,7 @@ def any_of(*policies: Policy) -> Policy:
 
 
 def _is_unit(module: nn.Module) -> bool:
-    from fsdp_lite.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
+    return unit_of(module) is not None
 
 
 def unowned_parameters(module: nn.Module):

@@ -13,6 +13,7 @@ from torch import nn
 
 import fsdp_lite
 from fsdp_lite.testing.models import Block
+from fsdp_lite.tree import unit_of
 
 GLOBAL_ROWS = 6  # divisible by W = 1, 2, 3: the same global batch at every world size
 LR, NORM_LR, WD = 1e-3, 2e-3, 0.1
@@ -47,7 +48,7 @@ def wrap_blocks_and_norms(module: nn.Module, **kwargs: Any) -> fsdp_lite.FSDPMod
 def fsdp_optimizer(model: fsdp_lite.FSDPModule, lr: float = LR) -> torch.optim.AdamW:
     """Two groups: decay for everything but the LayerNorm units, which get none."""
     norms = [
-        p for u in model._units() if isinstance(u.module, nn.LayerNorm) for p in u.parameters()
+        p for u in model.modules() if unit_of(u) and isinstance(u.module, nn.LayerNorm) for p in u.parameters()
     ]
     ids = {id(p) for p in norms}
     rest = [p for p in model.parameters() if id(p) not in ids]

@@ -10,6 +10,7 @@ from torch import nn
 
 import fsdp_lite
 from fsdp_lite.testing import run_distributed
+from fsdp_lite.tree import units_of
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -67,9 +68,9 @@ def _dtype_table(rank: int, world: int) -> None:
             name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
             assert set(stats["reduce_scatter"]["dtypes"]) == {name(want_reduce)}, (mp, stats)
             assert set(stats["all_gather"]["dtypes"]) == {name(param_dtype), "float32"}, (mp, stats)
-        for unit in model._units():
-            for flat in unit._flat_params:
-                assert not flat.is_unsharded, unit._unit_name
+        for unit in units_of(model):
+            for flat in unit.flat_params:
+                assert not flat.is_unsharded, unit.name
                 assert flat.shard.numel() == -(-flat.numel // world)
                 assert flat.shard.dtype == f32 and flat.shard.grad.dtype == f32
         sd = model.state_dict()

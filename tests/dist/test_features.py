@@ -24,13 +24,14 @@ from cases import (
 from fsdp_lite.state import TrainingState
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import compare_training
+from fsdp_lite.tree import unit_of, units_of
 
 
 def _assert_resharded(model) -> None:
-    for unit in model._units():
-        assert unit.training_state is TrainingState.IDLE, unit._unit_name
-        for flat in unit._flat_params:
-            assert not flat.is_unsharded, f"{unit._unit_name} kept its full params"
+    for unit in units_of(model):
+        assert unit.state is TrainingState.IDLE, unit.name
+        for flat in unit.flat_params:
+            assert not flat.is_unsharded, f"{unit.name} kept its full params"
 
 
 def _eval_between_steps(model, ref, step: int) -> None:
@@ -90,10 +91,10 @@ def _features(rank: int, world: int) -> dict:
 
 def _check_tie_owner(world: int) -> None:
     model = wrap_blocks(cross_tied_gpt())
-    owned_by_root = {s.name for f in model._flat_params for s in f.slots}
+    owned_by_root = {s.name for f in model._unit.flat_params for s in f.slots}
     assert "blocks.0.mlp.fc.weight" in owned_by_root, owned_by_root
     for block in model.module.blocks:
-        names = {s.name for f in block._flat_params for s in f.slots}
+        names = {s.name for f in unit_of(block).flat_params for s in f.slots}
         assert "mlp.fc.weight" not in names or block is model.module.blocks[1], names
 
 

@@ -14,6 +14,7 @@ import fsdp_lite
 from fsdp_lite import collectives
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import compare_training
+from fsdp_lite.tree import units_of
 
 
 def _equivalence(world: int, groups) -> None:
@@ -47,7 +48,7 @@ def _observed_collectives(rank: int, world: int, groups) -> None:
     collectives.all_gather_flat = spy
     try:
         model = wrap_blocks(gpt(), process_group=groups)
-        trainable = sum(f.requires_grad for u in model._units() for f in u._flat_params)
+        trainable = sum(f.requires_grad for u in units_of(model) for f in u.flat_params)
         x, y = (t.chunk(world)[rank] for t in token_batch(world, 0))
         for _ in range(2):
             fsdp_lite.reset_stats()

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 import fsdp_lite
 from fsdp_lite.testing import run_distributed
+from fsdp_lite.tree import units_of
 
 CPU = torch.device("cpu")
 SLACK = 16 * 1024  # small objects: views, shape lists, 0-dim step tensors
@@ -53,7 +54,7 @@ def _measure(rank: int, world: int, tmp: str, cfg: dict) -> dict[str, int]:
     mine = full if rank == 0 else {}
     mine_osd = osd if rank == 0 else {}
     track = [model, opt, *[t for t in tree_flatten((full, osd))[0] if torch.is_tensor(t)]]
-    flats = [f for u in model._units() for f in u._flat_params]
+    flats = [f for u in units_of(model) for f in u.flat_params]
     figures = {
         "model fp32 (unsharded)": sum(p.numel() * 4 for p in plain.parameters()),
         "sharded footprint": sum(f.shard.numel() * 4 * 3 for f in flats),  # shard + 2 moments

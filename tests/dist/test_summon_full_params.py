@@ -15,6 +15,7 @@ from ckpt_cases import assert_state_dicts
 
 from fsdp_lite import FSDPStateError, MixedPrecision, TrainingState
 from fsdp_lite.testing import run_distributed
+from fsdp_lite.tree import units_of
 
 
 def _clean(name: str) -> str:
@@ -30,8 +31,8 @@ def _check_inside(model, ref, what: str) -> None:
         assert type(p) is torch.nn.Parameter and p.dtype == torch.float32, (what, name)
         assert p.requires_grad == q.requires_grad, (what, name)
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"{what} {name}")
-    for unit in model._units():
-        assert unit.training_state is TrainingState.SUMMON_FULL_PARAMS, unit._unit_name
+    for unit in units_of(model):
+        assert unit.state is TrainingState.SUMMON_FULL_PARAMS, unit.name
 
 
 def _edit(model_or_ref) -> None:
@@ -63,8 +64,8 @@ def _summon(rank: int, world: int) -> None:
         _edit(ref)
         gc.collect()
         assert watched() is None, "a summoned parameter outlived the context"
-        assert all(u.training_state is TrainingState.IDLE for u in model._units())
-        assert all(not f.is_unsharded for u in model._units() for f in u._flat_params)
+        assert all(u.state is TrainingState.IDLE for u in units_of(model))
+        assert all(not f.is_unsharded for u in units_of(model) for f in u.flat_params)
         assert [p for p in model.parameters()] == shards  # shards kept identity
         assert_state_dicts(model.state_dict(), ref.state_dict(), what="after writeback")
         _forward_matches(model, ref, rank, world, low_precision=mp is not None)
@@ -108,7 +109,7 @@ def _options(rank: int, world: int) -> None:
             _edit(model)
             raise KeyError("boom")
     assert_state_dicts(model.state_dict(), before, what="after an error inside")
-    assert all(u.training_state is TrainingState.IDLE for u in model._units())
+    assert all(u.state is TrainingState.IDLE for u in units_of(model))
 
 
 @pytest.mark.parametrize("world", [3])

@@ -11,6 +11,7 @@ from torch import nn
 import fsdp_lite
 from fsdp_lite.testing import GPT, GPTConfig
 from fsdp_lite.testing.models import Block
+from fsdp_lite.tree import unit_of, units_of
 
 
 def test_requires_initialized_process_group() -> None:
@@ -61,9 +62,9 @@ def test_policy_keeps_tie_in_common_ancestor(world1) -> None:
     gpt = GPT(GPTConfig())
     policy = fsdp_lite.wrap.by_type(nn.Embedding, Block)
     model = fsdp_lite.FSDPModule(gpt, auto_wrap_policy=policy)
-    root_slots = {s.name: s for f in model._flat_params for s in f.slots}
+    root_slots = {s.name: s for f in model._unit.flat_params for s in f.slots}
     assert len(root_slots["wte.weight"].locations) == 2  # wte.weight and lm_head.weight
-    assert model.module.wte._flat_params == []  # the embedding unit owns nothing
+    assert unit_of(model.module.wte).flat_params == []  # the embedding unit owns nothing
 
 
 def test_wrong_state_names_unit_and_states(world1) -> None:
@@ -174,9 +175,9 @@ def test_exception_in_backward_leaves_model_usable(world1) -> None:
         out = model(x)
     out.sum().backward()
     plain(x).sum().backward()
-    for unit in model._units():
-        assert unit.training_state is fsdp_lite.TrainingState.IDLE
-        assert not any(f.is_unsharded for f in unit._flat_params)
+    for unit in units_of(model):
+        assert unit.state is fsdp_lite.TrainingState.IDLE
+        assert not any(f.is_unsharded for f in unit.flat_params)
     got = fsdp_lite.state_dict.full_grads(model)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(got[name], p.grad)  # no stale gradient from the failed step

@@ -1,0 +1,70 @@
+"""The unit tree: which modules are units, and the unwrapped model's names.
+
+An ``FSDPModule`` carries its ``Unit`` in ``__dict__["_fsdp_lite_unit"]``; every lower
+module finds units through ``unit_of`` instead of importing the wrapper class, so
+dependencies point down (``fsdp.py`` -> ``unit.py`` -> ``runtime.py``/``flat_param.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from fsdp_lite.unit import Unit
+
+UNIT_ATTR = "_fsdp_lite_unit"
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    """The ``Unit`` of an ``FSDPModule`` wrapper, else ``None``."""
+    return module.__dict__.get(UNIT_ATTR)
+
+
+def units_of(root: nn.Module) -> list[Unit]:
+    """Every unit in ``root``'s tree (``root`` first if it is one), in module order."""
+    return [u for m in root.modules() if (u := unit_of(m)) is not None]
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """Step over unit and activation-checkpoint wrappers to the user's module."""
+    from fsdp_lite.checkpoint import CheckpointWrapper
+
+    while True:
+        unit = unit_of(module)
+        if unit is not None:
+            module = unit.module
+        elif isinstance(module, CheckpointWrapper):
+            module = module.checkpointed
+        else:
+            return module
+
+
+def clean_named_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """Like ``named_modules`` of the unwrapped model: unit and checkpoint wrappers are
+    stepped over."""
+    module = unwrap(module)
+    yield prefix.rstrip("."), module
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from clean_named_modules(child, f"{prefix}{name}.")
+
+
+def region_modules(module: nn.Module) -> list[nn.Module]:
+    """``module`` and its descendants, not descending into nested units (each once)."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if id(m) in seen or unit_of(m) is not None:
+            return
+        seen.add(id(m))
+        out.append(m)
+        for child in m._modules.values():
+            if child is not None:
+                visit(child)
+
+    visit(module)
+    return out

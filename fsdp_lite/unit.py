@@ -1,0 +1,358 @@
+"""One unit's state and its step, run from hooks on the wrapped module.
+
+[Note: hooks on the wrapped module]
+The step runs from forward hooks registered on the user's module itself (the module
+given to ``FSDPModule``), as FSDP2 does, not from the wrapper's ``forward``. Every path
+into that module -- the wrapper, Hugging Face's ``generate()`` calling the inner model,
+a direct call of an inner block -- therefore gathers before the module runs and
+reshards after; the wrapper's ``forward`` is one call of ``self.module``.
+
+One step of one unit, top to bottom in this file:
+
+    pre_forward      (root: lazy init, recover, cast inputs) gather + prefetch, views
+    post_forward     hook the outputs for pre-backward; reshard unless kept
+    pre_backward     gather again + prefetch (the first output gradient to arrive)
+    post_backward    per trainable flat param: reduce-scatter its gradient, reshard
+    inputs_done      frozen flat params resharded once the unit's backward is over
+    finish_backward  (root, ``runtime.py``) results into shard grads, all units IDLE
+
+[Note: resharding frozen parameters in backward]
+A frozen flat param (LoRA's base weights) gets no gradient, so no post-backward hook
+tells when backward is done with it. A node of the backward graph runs only if it leads
+to something that needs a gradient; inside a unit with no nested unit that is either
+one of the unit's inputs or one of its own trainable flat params. The autograd engine
+fires a leaf's accumulation, and a gradient hook on the inputs, only after every node
+leading to them ran. So once both have fired -- a ``register_multi_grad_hook`` over the
+inputs of every watched forward call, and every trainable flat param's post-backward --
+no node that reads the frozen parameters is left, and they are freed. Units with nested
+units, or whose modules read another unit's parameters (a deferred tie), keep the frozen
+params until the end of backward, as before. (A tensor that needs a gradient and reaches
+the unit other than through its arguments -- a module attribute set by the caller, an
+object that is not a tuple, list, mapping or dataclass -- is outside this argument.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from fsdp_lite import collectives, runtime
+from fsdp_lite.api import MixedPrecision, PrefetchPolicy
+from fsdp_lite.flat_param import FlatParam
+from fsdp_lite.offload import DeviceHome
+from fsdp_lite.state import TrainingState, check_state
+from fsdp_lite.tree import clean_named_modules, region_modules, unit_of, unwrap
+
+_BACKWARD_STATES = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+
+
+class Unit:
+    """The flat params, TrainingState and hooks of one ``FSDPModule``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: collectives.ProcessGroup,
+        replicate_group: collectives.ProcessGroup | None,
+        device: torch.device,
+        mixed_precision: MixedPrecision | None,
+        prefetch: PrefetchPolicy | None,
+        reshard_after_forward: bool | None,
+        home: DeviceHome,
+    ) -> None:
+        self.module = module  # the user's module: the hooks live on it
+        self.process_group = process_group  # parameters are sharded over these ranks
+        self.replicate_group = replicate_group  # hybrid: shard grads averaged over it
+        self.device = device  # the compute device
+        self.mixed_precision = mixed_precision
+        self.prefetch = prefetch  # only the root's is read: it applies to the whole tree
+        self.reshard_after_forward = reshard_after_forward  # as given; see keeps_full_after_forward
+        self.home = home  # where shards and shard grads live between uses
+        self.flat_params: list[FlatParam] = []  # set by own(), after nested units exist
+        self.state = TrainingState.IDLE
+        self.sync_grads = True  # False inside no_sync()
+        self.is_root: bool | None = None  # decided at the first forward
+        self.ctx: runtime.RootContext | None = None  # shared by every unit of the root's tree
+        self.name = type(module).__name__  # the module path, from lazy init on
+        self.frozen_early = False  # frozen flat params freed in backward (see Note)
+        self.watches: weakref.WeakSet = weakref.WeakSet()  # forward calls awaiting input grads
+        self.grads_pending: set[int] = set()  # id of trainable flats not reduced this backward
+
+    def own(self, flats: list[FlatParam]) -> None:
+        """Take ``flats`` and hook each full gradient to this unit's post-backward."""
+        self.flat_params = flats
+        for flat in flats:
+            # Weak references: autograd holds the hook from C++, where Python's garbage
+            # collector cannot see the cycle unit -> flat -> full -> hook -> unit.
+            flat.post_accumulate_hook = functools.partial(
+                _post_accumulate, weakref.ref(self), weakref.ref(flat)
+            )
+
+    def register_hooks(self) -> None:
+        self.module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+        # always_call: also after an exception in forward, to reshard and return to IDLE.
+        self.module.register_forward_hook(self.post_forward, with_kwargs=True, always_call=True)
+
+    # -- forward -------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        self.lazy_init()
+        mp = self.mixed_precision
+        if self.is_root and mp is not None and mp.cast_inputs:
+            args, kwargs = runtime.cast_floats((args, kwargs), mp.param_dtype)
+        with _outside_inference_mode():
+            if runtime.in_backward():  # activation-checkpoint recompute
+                self.pre_backward()
+                self.use_full_params()
+                self._watch_inputs(args, kwargs, recompute=True)
+                return (args, kwargs)
+            if self.is_root:
+                runtime.recover_if_interrupted(self.ctx)
+            check_state(self.name, self.state, TrainingState.IDLE, doing="run forward")
+            self.state = TrainingState.FORWARD
+            if self.is_root:
+                collectives.GUARD.end_iteration(self.process_group, self.device)
+                self.ctx.forward_order.start()
+            with record_function("fsdp_lite::unshard"):
+                self.unshard_with_prefetch(backward=False)
+                self.use_full_params()
+        self._watch_inputs(args, kwargs)
+        return (args, kwargs)
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """After forward (``output is None`` also after an exception in it: see
+        ``register_hooks``)."""
+        if self.state is not TrainingState.FORWARD:
+            return  # a recompute in backward, or pre_forward refused to start
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and output is not None:
+            self.register_pre_backward(output)
+        if output is None or not (grad_enabled and self.keeps_full_after_forward()):
+            self.reshard()
+        self.state = TrainingState.IDLE
+        if self.is_root:
+            runtime.end_of_root_forward(self.ctx)
+
+    def keeps_full_after_forward(self) -> bool:
+        """After a forward that built a graph: keep the full parameters for backward?
+
+        ``reshard_after_forward`` True/False decides. ``None`` (default): the root keeps
+        them (its backward runs first), every other unit frees them -- except, with
+        backward prefetching on and this pass following the recorded order, the first unit
+        after the root in the recorded backward order (a transformer's last block): backward
+        would start by gathering it again.
+        """
+        if self.reshard_after_forward is not None:
+            return not self.reshard_after_forward
+        if self.is_root:
+            return True
+        ctx = self.ctx
+        policy, recorded = ctx.prefetch, ctx.backward_order.recorded
+        if policy is None or not policy.backward or not recorded:
+            return False
+        if not ctx.forward_order.on_track:
+            return False
+        return next((u for u in recorded if not u.is_root), None) is self
+
+    def lazy_init(self) -> None:
+        """Make the first unit to run forward the root of every unit below it."""
+        if self.ctx is not None:
+            return
+        units = [self] + [u for m in self.module.modules() if (u := unit_of(m)) is not None]
+        ctx = runtime.RootContext(units=units, prefetch=self.prefetch)
+        names = {id(m): n for n, m in clean_named_modules(self.module)}
+        for unit in units:
+            unit.is_root = unit is self
+            unit.ctx = ctx
+            path = names.get(id(unwrap(unit.module)), "")
+            unit.name = path or f"<root {type(unit.module).__name__}>"
+            for flat in unit.flat_params:
+                flat.unit_name, flat.unit_key = unit.name, id(unit)
+        for unit in units:
+            unit.frozen_early = _frees_frozen_early(unit, units)
+
+    # -- gather and free -------------------------------------------------------------
+
+    def unshard_with_prefetch(self, backward: bool) -> None:
+        """Issue this unit's gather, then the next units' gathers, then wait for its own."""
+        ctx = self.ctx
+        ctx.prefetched.discard(self)
+        for flat in self.flat_params:
+            flat.unshard(async_op=True)
+        for other in ctx.next_units(self, backward):
+            if backward and other.state is not TrainingState.IDLE:
+                continue  # its backward already ran
+            ctx.prefetched.add(other)
+            for flat in other.flat_params:
+                flat.unshard(async_op=True)
+        for flat in self.flat_params:
+            flat.wait_unshard()
+
+    def use_full_params(self) -> None:
+        for flat in self.flat_params:
+            flat.unshard()
+            flat.use_full_views()
+
+    def reshard(self) -> None:
+        for flat in self.flat_params:
+            flat.reshard()
+
+    # -- backward --------------------------------------------------------------------
+
+    def register_pre_backward(self, output: Any) -> None:
+        """Hook every output tensor that needs a gradient; the first to fire re-gathers.
+        Tensors are found in tuples, lists, dicts, dataclasses (HF ``ModelOutput``)."""
+        for t in _tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(self._pre_backward_hook)
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.pre_backward()
+
+    def pre_backward(self) -> None:
+        """Re-gather the full parameters before this unit's backward (once per backward)."""
+        ctx = self.ctx
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            ctx.backward_order.start()
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(runtime.finish_backward, ctx)
+            )
+        if self.state is not TrainingState.IDLE:
+            return
+        with record_function("fsdp_lite::pre_backward"):
+            self.state = TrainingState.PRE_BACKWARD
+            self.grads_pending = {id(f) for f in self.flat_params if f.requires_grad}
+            self.unshard_with_prefetch(backward=True)
+
+    def post_backward(self, flat: FlatParam) -> None:
+        """After ``flat``'s gradient is complete: reduce-scatter it (or keep it under no_sync)."""
+        check_state(
+            self.name,
+            self.state,
+            *_BACKWARD_STATES,
+            doing="run its post-backward hook (its pre-backward hook never ran: were its "
+            "outputs detached or passed outside the autograd graph?)",
+        )
+        with record_function("fsdp_lite::post_backward"):
+            self.state = TrainingState.POST_BACKWARD
+            if self.sync_grads:
+                runtime.wait_previous_reduce_scatter(self.ctx)
+                pending = flat.reduce_scatter_grad(self.reduce_dtype(flat))
+                if pending is not None:
+                    self.ctx.pending.append(pending)
+            else:
+                flat.accumulate_unsharded()
+            flat.reshard()
+            self.grads_pending.discard(id(flat))
+            self._free_frozen_if_done()
+
+    def inputs_done(self, watch: object) -> None:
+        """The input gradients of one watched forward call are computed."""
+        self.watches.discard(watch)
+        self._free_frozen_if_done()
+
+    def _free_frozen_if_done(self) -> None:
+        if self.frozen_early and self.state in _BACKWARD_STATES:
+            if not self.grads_pending and not self.watches:
+                for flat in self.flat_params:
+                    if not flat.requires_grad:
+                        flat.reshard()
+
+    def _watch_inputs(self, args: tuple, kwargs: dict, recompute: bool = False) -> None:
+        """With frozen params freed early: a hook on the inputs that need a gradient tells
+        when this call's backward is over (the hook, and with it the watch, lives as long
+        as the autograd graph does)."""
+        if not (self.frozen_early and torch.is_grad_enabled()):
+            return
+        if recompute and self.watches:
+            return  # a non-reentrant recompute: the forward's watch still stands
+        tensors = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
+        if not tensors:
+            return
+        watch = _Watch()
+        self.watches.add(watch)
+        ref = weakref.ref(self)
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda grads: _inputs_done(ref, watch), mode="all"
+        )
+
+    def reduce_dtype(self, flat: FlatParam) -> torch.dtype:
+        mp = self.mixed_precision
+        return flat.compute_dtype if mp is None else mp.effective_reduce_dtype
+
+    def end_backward(self) -> None:
+        """Resharded and IDLE, whatever this backward reached."""
+        self.reshard()
+        self.state = TrainingState.IDLE
+
+
+class _Watch:
+    """One watched forward call; lives as long as its autograd graph."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _inputs_done(unit_ref: weakref.ref, watch: _Watch) -> None:
+    unit = unit_ref()
+    if unit is not None:
+        unit.inputs_done(watch)
+
+
+def _frees_frozen_early(unit: Unit, units: list[Unit]) -> bool:
+    """Can ``unit`` free its frozen flat params when its backward is over (see Note)?"""
+    if all(flat.requires_grad for flat in unit.flat_params):
+        return False
+    if any(unit_of(m) is not None for m in unit.module.modules()):
+        return False  # nested units: nodes here may lead only to their parameters
+    region = {id(m) for m in region_modules(unit.module)}
+    return not any(
+        id(module) in region
+        for other in units
+        if other is not unit
+        for flat in other.flat_params
+        for slot in flat.slots
+        for module, _ in slot.locations
+    )
+
+
+def _tensors_in(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
+    """Every tensor in nested tuples, lists, mappings and dataclass instances."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    if isinstance(obj, Mapping):
+        values = list(obj.values())
+    elif isinstance(obj, list | tuple):
+        values = list(obj)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
+    else:
+        return
+    seen.add(id(obj))
+    for value in values:
+        yield from _tensors_in(value, seen)
+
+
+def _outside_inference_mode() -> contextlib.AbstractContextManager:
+    """Full buffers and their views are made as normal tensors even in inference mode:
+    they live for the whole run, and training after an inference-mode forward needs them."""
+    if torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
+
+
+def _post_accumulate(unit_ref: weakref.ref, flat_ref: weakref.ref, full: torch.Tensor) -> None:
+    unit_ref().post_backward(flat_ref())
