@@ -84,10 +84,12 @@ def count_collectives() -> Iterator[dict[str, dict[str, float]]]:
 # -- memory ------------------------------------------------------------------------------
 
 
-def peak_from_profile(prof: profile, device: torch.device) -> dict[str, float]:
-    """Peak and resident live bytes inside the profiled steps after the first."""
+def peak_from_profile(
+    prof: profile, device: torch.device, label: str = "bench::step"
+) -> dict[str, float]:
+    """Peak and resident live bytes inside the profiled ``label`` regions after the first."""
     nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
-    steps = sorted((n.start_time_ns, n.end_time_ns) for n in nodes if n.name == "bench::step")
+    steps = sorted((n.start_time_ns, n.end_time_ns) for n in nodes if n.name == label)
     windows = steps[1:] or steps
     live = peak = 0
     resident = None  # live bytes when the last counted step starts

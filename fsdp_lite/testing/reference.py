@@ -55,6 +55,9 @@ class Run:
     accumulate: int = 1  # micro-batches per step; all but the last under no_sync
     clip: float | None = None
     clip_norm_type: float = 2.0
+    # Called with (wrapped, reference) once both exist, before the first training step:
+    # e.g. an inference forward as the wrapped model's very first call.
+    before_training: Callable[[nn.Module, nn.Module], None] | None = None
     between_steps: Callable[[nn.Module, nn.Module, int], None] | None = None
     compare_buffers: bool = True
     results: dict[str, Any] = field(default_factory=dict)
@@ -94,8 +97,10 @@ def compare_training(run: Run) -> None:
     # eps=1e-6, not 1e-8: some gradients are zero in exact arithmetic (the key bias of
     # attention, anything a norm cancels) and rounding noise there would be normalized
     # by Adam into lr-sized steps that differ between any two summation orders.
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=run.lr, weight_decay=0.1, eps=1e-6)
-    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=0.1, eps=1e-6)
+    ref_opt = torch.optim.AdamW(_trainable(ref), lr=run.lr, weight_decay=0.1, eps=1e-6)
+    opt = torch.optim.AdamW(_trainable(model), lr=run.lr, weight_decay=0.1, eps=1e-6)
+    if run.before_training is not None:
+        run.before_training(model, ref)
     for step in range(run.steps):
         batch = run.batch(step)
         ref_loss = fsdp_loss = 0.0
@@ -134,8 +139,16 @@ def compare_training(run: Run) -> None:
     _check_params(run, model, ref, initial, world)
 
 
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def _check_grads(run: Run, model: FSDPModule, ref: nn.Module, step: int) -> None:
-    """Unsharded FSDP gradients equal the reference's: catches scale errors Adam would hide."""
+    """Unsharded FSDP gradients equal the reference's: catches scale errors Adam would hide.
+    Frozen shards get no ``.grad`` at all."""
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+    if frozen:
+        raise AssertionError(f"[{run.name}] step {step}: frozen shards got a .grad: {frozen}")
     got = full_grads(model)
     for name, p in ref.named_parameters(remove_duplicate=False):
         if not p.requires_grad:
