@@ -286,18 +286,19 @@ def save_pretrained(
     at most one output file of CPU tensors. Weights are fp32 (the master copy) unless
     ``dtype`` is given (e.g. ``torch.bfloat16``; buffers keep their own dtype). Files appear
     in ``save_directory`` only once all are written; other files there are kept. Any
-    rank's failure is raised on every rank as ``CheckpointError``.
+    rank's failure is raised on every rank as ``CheckpointError``. Exactly one rank may
+    write: pass ``is_main_process=True`` on one rank only, or leave it ``None``.
     """
     check_idle(model, "save_pretrained")
     _check_supported(model, "save_pretrained")
     _safetensors()
     files = _split(_entries(model, dtype), parse_size(max_shard_size))
+    directory = os.fspath(save_directory)
     writes = is_rank0(model) if is_main_process is None else bool(is_main_process)
-    writer = _Writer(os.fspath(save_directory), files) if writes else None
+    writer = _Writer(directory, files) if writes else None
     if writer is not None:
         writer.run(writer.begin)
-    directory = os.fspath(save_directory)
-    _raise_any(model, writer, directory, "could not create the staging directory")
+    _raise_any(model, writer, directory, "nothing was gathered")
     for flat, slots in _by_flat(files):
         full = flat.gather_fp32()  # (numel,): the only full copy of this flat param
         for i, e in slots:
@@ -310,7 +311,12 @@ def save_pretrained(
             writer.run(writer.add, e.key, e.source.detach().to("cpu", e.dtype, copy=True))
     if writer is not None:
         writer.run(writer.finish, model, files, dtype or torch.float32)
-    _raise_any(model, writer, directory, "the previous files there are unchanged")
+    _raise_any(
+        model,
+        writer,
+        directory,
+        f"files there are replaced only after all were written to {STAGING}",
+    )
 
 
 def _by_flat(files: list[list[_Entry]]) -> list[tuple[FlatParam, list[tuple[int, _Entry]]]]:
@@ -333,7 +339,7 @@ def _raise_any(model: FSDPModule, writer: _Writer | None, directory: str, what: 
         errors = collectives.all_gather_object(error, group)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
-        raise CheckpointError(f"save_pretrained failed writing {directory} ({what}): {error}")
+        raise CheckpointError(f"save_pretrained failed writing {directory}: {error} ({what})")
 
 
 # -- loading --------------------------------------------------------------------------
