@@ -15,6 +15,7 @@ from fsdp_lite.collectives import (
     set_divergence_check,
 )
 from fsdp_lite.fsdp import FSDPModule
+from fsdp_lite.hf_checkpoint import load_pretrained, save_pretrained
 from fsdp_lite.offload import CPUOffload, SSDOffload, offload_optimizer_state
 from fsdp_lite.offload_model import OffloadModel
 from fsdp_lite.optim_state import full_optim_state_dict, load_full_optim_state_dict
@@ -42,10 +43,12 @@ __all__ = [
     "full_optim_state_dict",
     "load_checkpoint",
     "load_full_optim_state_dict",
+    "load_pretrained",
     "make_viewless_tensor",
     "reset_comm_stats",
     "reset_stats",
     "save_checkpoint",
+    "save_pretrained",
     "stats",
     "wrap",
 ]
