@@ -13,18 +13,42 @@ same parameters whatever its own seed; each rank's own RNG state is restored aft
 A tied parameter is initialized by the first module (in module order) that registers it,
 as when a model ties a later module's weight to an earlier one's; the other modules'
 inits run on a scratch copy, so the RNG still advances exactly as in the eager build.
+
+[Note: Hugging Face models]
+A module inside a Hugging Face ``PreTrainedModel`` (found by duck typing: the nearest
+enclosing module with ``_init_weights``, e.g. the root, or a PeftModel's base model) is
+initialized as the eager build does it when no ``param_init_fn`` is given: its
+``reset_parameters()`` if it has one (construction), then the model's
+``_init_weights(module)`` on it and on each of its ancestors (``post_init`` applies it to
+every module, children first; an ancestor may set a child's weights, e.g. GPT-2's scaled
+``c_proj``), the ancestors writing into this module's tensors only. The distributions are
+HF's own, but the values are not the eager build's: eagerly, construction draws from the
+RNG for every module before ``post_init`` draws again, while here each module draws both at
+once. Default inits must write every parameter and persistent float buffer (storage starts
+as NaN): a module that neither ``reset_parameters()`` nor HF initializes is an error.
+
+Non-persistent buffers (rotary ``inv_freq``, BERT's ``position_ids``) are computed in
+``__init__``, are in no state dict and so in no checkpoint: on the meta device they hold
+nothing. In transformers 5.x, ``_init_weights`` recomputes them (it is how
+``from_pretrained`` fills them), so inside a HF model they come from ``_init_weights``
+whatever ``param_init_fn`` is (``no_init`` included); elsewhere from the module's own init.
+Each is checked to be fully written (two runs from different fills must agree), or wrapping
+fails naming it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 InitFn = Callable[[nn.Module], None]
 RngState = tuple[torch.Tensor, torch.Tensor | None]
+HFInit = tuple[nn.Module, InitFn]  # (module, the _init_weights of its nearest HF model)
 
 
 def no_init(module: nn.Module) -> None:
@@ -53,6 +77,8 @@ class InitPlan:
     owner: dict[int, int] = field(default_factory=dict)  # id(meta param) -> id(its module)
     where: dict[int, list[tuple[nn.Module, str]]] = field(default_factory=dict)  # registrations
     real: dict[int, nn.Parameter] = field(default_factory=dict)  # id(meta param) -> real one
+    hf: dict[int, list[HFInit]] = field(default_factory=dict)  # id(module) -> _hf_chains
+    rebuilt: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # non-persistent
 
 
 def _rng_state(device: torch.device) -> RngState:
@@ -66,17 +92,129 @@ def _set_rng_state(state: RngState, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def _initialize(module: nn.Module, init_fn: InitFn | None, name: str) -> None:
-    if init_fn is not None:
-        init_fn(module)
-    elif hasattr(module, "reset_parameters"):
+def _hf_chains(root: nn.Module) -> dict[int, list[HFInit]]:
+    """id(module) -> [(module or an ancestor, its nearest HF model's ``_init_weights``)],
+    nearest first, for the modules inside a Hugging Face model (see the note)."""
+    chains: dict[int, list[HFInit]] = {}
+
+    def visit(module: nn.Module, owner: InitFn | None, above: list[HFInit]) -> None:
+        if id(module) in chains:
+            return
+        own = getattr(module, "_init_weights", None)
+        owner = own if callable(own) else owner
+        chain = [(module, owner), *above] if owner is not None else above
+        chains[id(module)] = chain
+        for child in module._modules.values():
+            if child is not None:
+                visit(child, owner, chain)
+
+    visit(root, None, [])
+    return {k: v for k, v in chains.items() if v}
+
+
+class _WritesOnly(TorchDispatchMode):
+    """Within the block, in-place ops on real tensors other than ``tensors`` are skipped: an
+    ancestor's ``_init_weights`` may set only the module being initialized."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in tensors}
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: object,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> object:
+        target = args[0] if args else None
+        if (
+            func._schema.is_mutable
+            and isinstance(target, torch.Tensor)
+            and not target.is_meta
+            and target.untyped_storage().data_ptr() not in self.storages
+        ):
+            return target
+        return func(*args, **(kwargs or {}))
+
+
+def _hf_init(module: nn.Module, chain: list[HFInit]) -> None:
+    with torch.no_grad(), _WritesOnly(list(_own_tensors(module))):
+        for target, init_weights in chain:
+            init_weights(target)
+
+
+def _initialize(module: nn.Module, plan: InitPlan, name: str) -> None:
+    if plan.init_fn is not None:
+        plan.init_fn(module)
+        return
+    chain = plan.hf.get(id(module), [])
+    if hasattr(module, "reset_parameters"):
         module.reset_parameters()
-    else:
+    elif not chain:
         raise RuntimeError(
             f"fsdp_lite: module '{name}' ({type(module).__name__}) is on the meta device and "
             "has no reset_parameters(): pass FSDPModule(..., param_init_fn=fn), where "
             "fn(module) initializes that module's own parameters and buffers"
         )
+    _hf_init(module, chain)
+
+
+def _check_written(module: nn.Module, name: str, fresh: list[str]) -> None:
+    """Refuse default-initialized storage left NaN (what ``_scratch(fill=nan)`` put there)."""
+    tensors = {**module._parameters, **module._buffers}
+    left = [
+        a
+        for a in fresh
+        if a not in module._non_persistent_buffers_set
+        and tensors[a].is_floating_point()
+        and bool(tensors[a].isnan().any())
+    ]
+    if left:
+        raise RuntimeError(
+            f"fsdp_lite: module '{name}' ({type(module).__name__}) is on the meta device and "
+            f"its default init (reset_parameters() or its Hugging Face model's _init_weights) "
+            f"left {', '.join(repr(a) for a in left)} uninitialized: pass "
+            "FSDPModule(..., param_init_fn=fn), where fn(module) initializes that module's own "
+            "parameters and buffers"
+        )
+
+
+def _rebuild_buffers(module: nn.Module, plan: InitPlan, name: str) -> dict[str, torch.Tensor]:
+    """The values of ``module``'s meta non-persistent buffers, from its HF model's
+    ``_init_weights`` (else its own init), run twice from different fills on scratch copies,
+    the RNG restored; a buffer the runs disagree on was not (fully) written: an error."""
+    attrs = [
+        a
+        for a in module._non_persistent_buffers_set
+        if module._buffers.get(a) is not None and module._buffers[a].is_meta
+    ]
+    if not attrs:
+        return {}
+    chain = plan.hf.get(id(module))
+    runs = []
+    own = _rng_state(plan.device)
+    try:
+        for fill in (0.0, 1.0):
+            _set_rng_state(own, plan.device)
+            with _scratch(module, plan.device, keep=set(), fill=fill):
+                if chain:
+                    _hf_init(module, chain)
+                else:
+                    _initialize(module, plan, name)
+                runs.append({a: module._buffers[a] for a in attrs})
+    finally:
+        _set_rng_state(own, plan.device)
+    unset = [a for a in attrs if not torch.equal(runs[0][a], runs[1][a])]
+    if unset:
+        source = "its Hugging Face model's _init_weights" if chain else "its init"
+        raise RuntimeError(
+            f"fsdp_lite: module '{name}' ({type(module).__name__}) has non-persistent buffers "
+            f"{', '.join(repr(a) for a in unset)} on the meta device that {source} does not "
+            "compute: they are in no checkpoint, so nothing would set them. Build that module "
+            "outside torch.device('meta'), or pass a param_init_fn that computes them"
+        )
+    return runs[0]
 
 
 def make_plan(
@@ -85,7 +223,7 @@ def make_plan(
     """Record, in module order, the RNG state each module's initialization starts from.
 
     ``rank0_state(state)`` returns rank 0's RNG state on every rank (a broadcast)."""
-    plan = InitPlan(init_fn, device)
+    plan = InitPlan(init_fn, device, hf=_hf_chains(root))
     for module in root.modules():
         for attr, p in module._parameters.items():
             if p is not None and p.is_meta:
@@ -96,31 +234,53 @@ def make_plan(
     try:
         for name, module in root.named_modules():
             if _has_own_meta(module):
+                name = name or type(root).__name__
+                if rebuilt := _rebuild_buffers(module, plan, name):
+                    plan.rebuilt[id(module)] = rebuilt
                 plan.states[id(module)] = _rng_state(device)
-                with _scratch(module, device, keep=set()):
-                    _initialize(module, init_fn, name or type(root).__name__)
+                with _scratch(module, device, keep=set(), fill=_default_fill(plan)) as fresh:
+                    _initialize(module, plan, name)
+                    if init_fn is None:
+                        _check_written(module, name, fresh)
     finally:
         _set_rng_state(own, device)
     return plan
 
 
+def _default_fill(plan: InitPlan) -> float | None:
+    """NaN marks storage a default init must write; a ``param_init_fn``'s is left empty."""
+    return math.nan if plan.init_fn is None else None
+
+
 class _scratch:
-    """Within the block, ``module``'s own meta tensors are real, empty tensors on ``device``
-    (except the parameter ids in ``keep``); afterwards the originals are back."""
+    """Within the block, ``module``'s own meta tensors are real tensors on ``device``
+    (except the parameter ids in ``keep``), empty or filled with ``fill`` (NaN: floats
+    only); afterwards the originals are back. The block gets the names of the new tensors."""
 
-    def __init__(self, module: nn.Module, device: torch.device, keep: set[int]) -> None:
-        self.module, self.device, self.keep = module, device, keep
+    def __init__(
+        self, module: nn.Module, device: torch.device, keep: set[int], fill: float | None = None
+    ) -> None:
+        self.module, self.device, self.keep, self.fill = module, device, keep, fill
 
-    def __enter__(self) -> None:
+    def _new(self, t: torch.Tensor) -> torch.Tensor:
+        real = torch.empty_like(t, device=self.device)
+        if self.fill is not None and (real.is_floating_point() or not math.isnan(self.fill)):
+            real.fill_(self.fill)
+        return real
+
+    def __enter__(self) -> list[str]:
         m = self.module
         self.params, self.buffers = dict(m._parameters), dict(m._buffers)
+        fresh = []
         for attr, p in self.params.items():
             if p is not None and p.is_meta and id(p) not in self.keep:
-                real = torch.empty_like(p, device=self.device)
-                m._parameters[attr] = nn.Parameter(real, requires_grad=p.requires_grad)
+                m._parameters[attr] = nn.Parameter(self._new(p), requires_grad=p.requires_grad)
+                fresh.append(attr)
         for attr, b in self.buffers.items():
             if b is not None and b.is_meta:
-                m._buffers[attr] = torch.empty_like(b, device=self.device)
+                m._buffers[attr] = self._new(b)
+                fresh.append(attr)
+        return fresh
 
     def __exit__(self, *exc: object) -> None:
         self.module._parameters.update(self.params)
@@ -145,10 +305,11 @@ def materialize(module: nn.Module, name: str, plan: InitPlan) -> None:
             for p in module._parameters.values()
             if p is not None and p.is_meta and plan.owner.get(id(p)) == id(module)
         }
-        with _scratch(module, plan.device, keep=set()):
-            _initialize(module, plan.init_fn, name)
+        with _scratch(module, plan.device, keep=set(), fill=_default_fill(plan)):
+            _initialize(module, plan, name)
             values = {a: p for a, p in module._parameters.items() if p is not None}
             buffers = {a: b for a, b in module._buffers.items() if b is not None}
+        buffers.update(plan.rebuilt.pop(id(module), {}))
         for attr, p in list(module._parameters.items()):  # parameters this module owns
             if p is not None and id(p) in owned:
                 real = values[attr]

@@ -70,7 +70,7 @@ class FSDPModule(nn.Module):
             see ``offload_optimizer_state`` for the optimizer's moments). ``None``: the
             compute device.
         param_init_fn: for a model built on the meta device, ``fn(module)`` initializes a
-            module's own parameters and buffers (default: its ``reset_parameters()``);
+            module's own parameters and buffers (default: reset_parameters(), HF _init_weights);
             each unit materializes and initializes only its own modules (see
             ``deferred_init.py``).
     """
