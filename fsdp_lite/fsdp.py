@@ -289,6 +289,15 @@ class FSDPModule(nn.Module):
         except AttributeError:
             return getattr(self._modules["module"], name)
 
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """As ``nn.Module``'s, under the unwrapped model's names: the wrapper and its module
+        share one name, as in ``state_dict()`` keys, so code that matches module names to
+        state-dict keys (PEFT's ``get_peft_model_state_dict``) finds them; attribute
+        access forwards to the module, so ``get_submodule(name)`` resolves them too."""
+        yield from _named_as_unwrapped(self, self.module, memo, prefix, remove_duplicate)
+
     # -- internals ---------------------------------------------------------------
 
     def _plan_deferred_init(
@@ -323,6 +332,18 @@ class FSDPModule(nn.Module):
                 (sum(f.full_nbytes for f in u.flat_params) for u in units), default=0
             ),
         }
+
+
+def _named_as_unwrapped(
+    wrapper: nn.Module, inner: nn.Module, memo: set | None, prefix: str, remove_duplicate: bool
+) -> Iterator[tuple[str, nn.Module]]:
+    memo = set() if memo is None else memo
+    if remove_duplicate:
+        if wrapper in memo:
+            return
+        memo.add(wrapper)
+    yield prefix, wrapper
+    yield from inner.named_modules(memo, prefix, remove_duplicate)
 
 
 def _wrap_child(child: nn.Module, defer: set[int], **kwargs: Any) -> FSDPModule:

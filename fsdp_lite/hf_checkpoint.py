@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +43,6 @@ from fsdp_lite.state_dict import (
     IncompatibleKeys,
     boxes,
     check_idle,
-    clean_named_modules,
     expected_shapes,
     flat_params,
     is_rank0,
@@ -51,9 +50,7 @@ from fsdp_lite.state_dict import (
     state_dict_layout,
     validate_keys,
 )
-
-if TYPE_CHECKING:
-    from fsdp_lite.fsdp import FSDPModule
+from fsdp_lite.tree import clean_named_modules
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -105,7 +102,7 @@ class _Entry:
         return numel * self.dtype.itemsize
 
 
-def _tied_patterns(model: FSDPModule) -> list[str]:
+def _tied_patterns(model: nn.Module) -> list[str]:
     """The tied-weight keys the HF model declares (``_tied_weights_keys``), as regexes."""
     out: list[str] = []
     for prefix, module in clean_named_modules(model):
@@ -125,7 +122,7 @@ def _keep_one(names: list[str], patterns: list[str]) -> str:
     return next(n for n in names if n not in dropped)
 
 
-def _entries(model: FSDPModule, dtype: torch.dtype | None) -> list[_Entry]:
+def _entries(model: nn.Module, dtype: torch.dtype | None) -> list[_Entry]:
     """What ``save_pretrained`` writes, in the order the values become available."""
     slots, tensors = state_dict_layout(model)
     ignored = set(getattr(model.module, "_keys_to_ignore_on_save", None) or ())
@@ -210,7 +207,7 @@ class _Writer:
             _safetensors().torch.save_file(self.buffer, path, metadata={"format": "pt"})
             self.buffer = {}
 
-    def finish(self, model: FSDPModule, files: list[list[_Entry]], dtype: torch.dtype) -> None:
+    def finish(self, model: nn.Module, files: list[list[_Entry]], dtype: torch.dtype) -> None:
         inner = model.module
         config = _saved_config(inner, dtype)
         config.save_pretrained(self.stage)
@@ -251,7 +248,7 @@ def _index(files: list[list[_Entry]], names: list[str]) -> dict[str, Any]:
     }
 
 
-def _check_supported(model: FSDPModule, what: str) -> None:
+def _check_supported(model: nn.Module, what: str) -> None:
     """Raise (on every rank alike, before any collective) unless a plain HF model is wrapped."""
     inner = model.module
     if getattr(inner, "peft_config", None) or getattr(inner, "_hf_peft_config_loaded", False):
@@ -268,7 +265,7 @@ def _check_supported(model: FSDPModule, what: str) -> None:
 
 
 def save_pretrained(
-    model: FSDPModule,
+    model: nn.Module,
     save_directory: str | os.PathLike,
     *,
     max_shard_size: int | str = "5GB",
@@ -330,7 +327,7 @@ def _by_flat(files: list[list[_Entry]]) -> list[tuple[FlatParam, list[tuple[int,
     return out
 
 
-def _raise_any(model: FSDPModule, writer: _Writer | None, directory: str, what: str) -> None:
+def _raise_any(model: nn.Module, writer: _Writer | None, directory: str, what: str) -> None:
     """Every rank raises if the writer failed (collective: the shard group, then, with
     hybrid sharding, the replicate group, so every rank of the model hears of it)."""
     error = None if writer is None else writer.error
@@ -346,7 +343,7 @@ def _raise_any(model: FSDPModule, writer: _Writer | None, directory: str, what: 
 
 
 def load_pretrained(
-    model: FSDPModule, directory: str | os.PathLike, *, strict: bool = True
+    model: nn.Module, directory: str | os.PathLike, *, strict: bool = True
 ) -> IncompatibleKeys:
     """Load a Hugging Face safetensors checkpoint (``model.safetensors``, or shards named
     by ``model.safetensors.index.json``) into the wrapped ``model``, e.g. one built on the

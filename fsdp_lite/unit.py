@@ -209,13 +209,24 @@ class Unit:
     # -- backward --------------------------------------------------------------------
 
     def register_pre_backward(self, output: Any) -> None:
-        """Hook every output tensor that needs a gradient; the first to fire re-gathers.
-        Tensors are found in tuples, lists, dicts, dataclasses (HF ``ModelOutput``)."""
-        for t in _tensors_in(output):
-            if t.requires_grad:
-                t.register_hook(self._pre_backward_hook)
+        """Hook every output that needs a gradient; the first to fire re-gathers. Outputs
+        are found in tuples, lists, dicts, dataclasses (HF ``ModelOutput``).
 
-    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        The hook goes on the node that made the output, not the tensor: the engine runs a
+        node's pre-hooks after the tensor hooks on the same gradient, so the unit after this
+        one (reading this output as its input) learns that its backward is over, and frees
+        its frozen parameters, before this unit gathers (see the Note above)."""
+        nodes = set()
+        for t in _tensors_in(output):
+            if not t.requires_grad:
+                continue
+            if t.grad_fn is None:
+                t.register_hook(self._pre_backward_hook)
+            elif t.grad_fn not in nodes:
+                nodes.add(t.grad_fn)
+                t.grad_fn.register_prehook(self._pre_backward_hook)
+
+    def _pre_backward_hook(self, grad: Any) -> None:
         self.pre_backward()
 
     def pre_backward(self) -> None:

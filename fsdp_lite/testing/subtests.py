@@ -49,18 +49,6 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}{where}"
 
 
-def raised_by_library(exc: BaseException) -> bool:
-    """A clear refusal: a ``RuntimeError``/``ValueError``/``NotImplementedError`` (or a
-    subclass, such as ``FSDPStateError``) with a message, raised inside fsdp_lite itself
-    (not its testing helpers). An ``AttributeError`` from deep inside a third-party library
-    is a crash, not a refusal."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames or not isinstance(exc, _DELIBERATE) or not str(exc).strip():
-        return False
-    origin = os.path.abspath(frames[-1].filename)
-    return origin.startswith(_LIBRARY_DIR + os.sep) and not origin.startswith(_TESTING_DIR)
-
-
 def agree(what: str, check: Callable[[], None]) -> None:
     """Run a rank-local ``check`` (it raises AssertionError on a mismatch); raise on every
     rank if it failed on any, so all ranks leave the case at the same point."""
