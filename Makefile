@@ -31,6 +31,10 @@ lint: venv
 
 # Side by side with PyTorch FSDP2, FSDP1 and DDP; writes BENCHMARKS.md and BENCHMARKS.json.
 #   make bench [ARGS='--steps 10 --precisions fp32']
-.PHONY: bench
+.PHONY: bench bench-lora
 bench: venv
 	$(BIN)/python scripts/bench.py $(ARGS)
+
+# Backward peak memory, full fine-tuning vs a frozen base with LoRA (same Llama, W=2).
+bench-lora: venv
+	$(BIN)/python scripts/bench_lora.py $(ARGS)

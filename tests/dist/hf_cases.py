@@ -42,12 +42,12 @@ PRECISIONS = {
 # -- models -------------------------------------------------------------------------
 
 
-def llama(tie: bool = False, checkpointing: bool = False) -> LlamaForCausalLM:
+def llama(tie: bool = False, checkpointing: bool = False, layers: int = 2) -> LlamaForCausalLM:
     """GQA attention, RoPE (a non-persistent ``inv_freq`` buffer), RMSNorm. ``checkpointing``:
     HF activation (formerly gradient) checkpointing per decoder layer, non-reentrant."""
     cfg = LlamaConfig(
-        **SMALL, **HEADS, **TOKENS, max_position_embeddings=64, tie_word_embeddings=tie,
-        attention_dropout=0.0, attn_implementation="eager",
+        **{**SMALL, "num_hidden_layers": layers}, **HEADS, **TOKENS, max_position_embeddings=64,
+        tie_word_embeddings=tie, attention_dropout=0.0, attn_implementation="eager",
     )  # fmt: skip
     model = LlamaForCausalLM(cfg)
     if checkpointing:
@@ -74,10 +74,10 @@ def qwen2() -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(cfg)
 
 
-def lora_llama() -> nn.Module:
+def lora_llama(**llama_kwargs) -> nn.Module:
     """PEFT LoRA (r=4) on q_proj and v_proj of an untied Llama: the base is frozen."""
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    return get_peft_model(llama(), config)
+    return get_peft_model(llama(**llama_kwargs), config)
 
 
 HF_MODELS = {

@@ -25,11 +25,13 @@ import torch.distributed as dist
 from hf_cases import (
     HF_MODELS,
     OUTPUT_TYPES,
+    hf_loss,
     hf_run,
     llama,
     local_tokens,
     lora_llama,
     output_run,
+    wrap_layers,
 )
 from peft import get_peft_model_state_dict
 from transformers import LlamaForCausalLM
@@ -214,7 +216,32 @@ def _training_cases(rank: int, world: int) -> dict[str, str | None]:
         ),
     ]
     runs += [output_run(kind, world) for kind in OUTPUT_TYPES]
-    return run_subtests((run.name, functools.partial(compare_training, run)) for run in runs)
+    cases = [(run.name, functools.partial(compare_training, run)) for run in runs]
+    for ckpt in (False, True):
+        name = f"lora: frozen base frees in backward like full training (checkpointing={ckpt})"
+        cases.append((name, functools.partial(_frozen_base_frees_like_full, ckpt)))
+    return run_subtests(cases)
+
+
+def _backward_gathered_units(make_model) -> int:
+    """Most units holding full parameters at once during one backward (second step)."""
+    torch.manual_seed(0)
+    model = wrap_layers(make_model())
+    for _ in range(2):
+        loss = hf_loss(model, (local_tokens(0), local_tokens(0)))
+        fsdp_lite.reset_stats()  # live allocations carry over: the peak starts from now
+        loss.backward()
+    return fsdp_lite.stats()["unsharded_units_peak"]
+
+
+def _frozen_base_frees_like_full(checkpointing: bool) -> None:
+    """A frozen base (LoRA) holds no more gathered units in backward than full training:
+    each unit frees its frozen flat param once its backward is over, not at the end."""
+    full = _backward_gathered_units(functools.partial(llama, layers=6, checkpointing=checkpointing))
+    lora = _backward_gathered_units(
+        functools.partial(lora_llama, layers=6, checkpointing=checkpointing)
+    )
+    agree("gathered units", lambda: _equal(lora <= full, True, f"lora {lora} vs full {full}"))
 
 
 def _call_path_cases(rank: int, world: int) -> dict[str, str | None]:
