@@ -1,10 +1,9 @@
 """The training script's setup: process group, the wrapped model, schedule, loss scaling.
 
 ``build_model`` (the GPT, or a Hugging Face causal LM with ``model.hf``: see ``train_hf``)
-is the one place that composes fsdp_lite's features, in torchtitan's
-order: activation checkpointing per block, then a unit per block (or by size), then the
-root, with the offload, prefetch, mixed-precision and hybrid-sharding policies the
-config picks.
+is the one place that composes fsdp_lite's features, in torchtitan's order: activation
+checkpointing per block, then a unit per block (or by size), then the root, with the
+offload, prefetch, mixed-precision and hybrid-sharding policies the config picks.
 """
 
 from __future__ import annotations
