@@ -1,4 +1,4 @@
-"""Train a small character-level GPT with fsdp_lite.
+"""Train a small character-level GPT (or a Hugging Face causal LM) with fsdp_lite.
 
     torchrun --standalone --nproc_per_node=2 scripts/train.py --config configs/tiny.yaml \\
         [--set train.steps=100 fsdp.mixed_precision=bf16 ...] [--resume [PATH]]
@@ -21,12 +21,13 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import train_ckpt
 from train_config import Config, ConfigError, load_config
-from train_data import Batches, CharData, load_data
+from train_data import Batches, Corpus, load_data
 from train_log import (
     LOCAL_FIELDS,
     RunLog,
@@ -42,6 +43,7 @@ from train_setup import (
     build_model,
     build_optimizer,
     init_distributed,
+    lm_loss,
     lr_at,
     world_size_from_env,
 )
@@ -52,8 +54,8 @@ import fsdp_lite
 class Trainer:
     """The model, optimizer, data and loss scale of one run, and one optimizer step."""
 
-    def __init__(self, cfg: Config, data: CharData, d: Dist) -> None:
-        self.cfg, self.d = cfg, d
+    def __init__(self, cfg: Config, data: Corpus, d: Dist) -> None:
+        self.cfg, self.d, self.hf = cfg, d, cfg.model.hf is not None
         self.model, self.n_params = build_model(cfg, data.vocab_size, d)
         self.opt = build_optimizer(cfg, self.model)
         self.scaler = LossScaler(enabled=cfg.fsdp.mixed_precision == "fp16")
@@ -84,7 +86,7 @@ class Trainer:
             x, y = (v.to(d.device) for v in self.batches.next())  # each (B, T)
             last = micro == t.grad_accum - 1
             with contextlib.nullcontext() if last else model.no_sync():
-                _, loss = model(x, y)
+                loss = lm_loss(model, x, y, self.hf)
                 (loss * (self.scaler.scale / t.grad_accum)).backward()
             loss_sum += loss.detach().double()
         if crash:
@@ -128,7 +130,7 @@ def _start(trainer: Trainer, cfg: Config, d: Dist) -> tuple[int, str]:
     return 0, "starting fresh" + note
 
 
-def train(cfg: Config, data: CharData, d: Dist) -> None:
+def train(cfg: Config, data: Corpus, d: Dist, tokenizer: Any | None = None) -> None:
     trainer = Trainer(cfg, data, d)
     done, note = _start(trainer, cfg, d)
     t, every = cfg.train, cfg.checkpoint.every
@@ -154,6 +156,27 @@ def train(cfg: Config, data: CharData, d: Dist) -> None:
             run_log.note(f"step {step:5d}/{t.steps} | checkpoint {path}")
     run_log.close()
     summarize(cfg, trainer.model, trainer.n_params, results, d, time.perf_counter() - start)
+    if trainer.hf and cfg.checkpoint.export_hf:
+        import train_hf
+
+        out = train_hf.export(cfg, trainer.model, tokenizer, d.rank)
+        run_log.note(f"final model (Hugging Face format) saved to {out}")
+
+
+def _load_data(cfg: Config, world: int) -> tuple[Corpus, Any | None]:
+    """The corpus and, with ``model.hf``, the HF tokenizer (None: characters are tokens),
+    checked against the HF model's vocabulary and positions."""
+    if cfg.model.hf is None:
+        return load_data(cfg, world), None
+    import train_hf  # imports transformers
+
+    src = train_hf.hf_source(cfg.model.hf)
+    hf_config = train_hf.load_hf_config(src)
+    tokenizer = train_hf.load_tokenizer(src)
+    data = load_data(cfg, world, tokenizer)
+    max_id = int(data.data.max())
+    train_hf.check_vocab(cfg, hf_config, data.vocab_size, max_id, tokenizer)
+    return data, tokenizer
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -186,14 +209,14 @@ def main(argv: list[str] | None = None) -> None:
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         cfg = load_config(args.config, overrides, world)
-        data = load_data(cfg, world)
+        data, tokenizer = _load_data(cfg, world)
         d = init_distributed(cfg.fsdp.timeout_s)
     except ConfigError as e:
         if rank0:
             print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        train(cfg, data, d)
+        train(cfg, data, d, tokenizer)
     except fsdp_lite.CheckpointError as e:  # e.g. --resume from another model's checkpoint
         print(f"rank {d.rank}: checkpoint error: {e}", file=sys.stderr, flush=True)
         os._exit(2)

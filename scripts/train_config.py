@@ -42,6 +42,12 @@ class ModelConfig:
     n_embd: int = opt(64, "embedding width")
     block_size: int = opt(64, "sequence length in tokens (characters)")
     dropout: float = opt(0.0, "dropout probability, in [0, 1)")
+    hf: str | None = opt(
+        None,
+        "a Hugging Face causal LM instead of the GPT: a directory with `config.json` (optional "
+        "`*.safetensors` weights, tokenizer files) or an HF config `.json`; the GPT keys above "
+        "but `block_size` are then unused (null: the built-in GPT)",
+    )
 
 
 @dataclass
@@ -101,6 +107,11 @@ class CheckpointConfig:
         "never",
         "`never`, `auto` (the latest complete checkpoint, if any) or a checkpoint path; "
         "`--resume [PATH]` sets it; torchrun restarts always resume `auto`",
+    )
+    export_hf: bool = opt(
+        True,
+        "with `model.hf`: save the final model (and tokenizer) for `from_pretrained` to "
+        "`<checkpoint dir>/hf_final`",
     )
 
 
@@ -238,6 +249,8 @@ def validate(cfg: Config) -> None:
             _fail(cfg, key, requirement)
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
         _fail(cfg, "data.path", "an existing text file")
+    if cfg.model.hf is not None and not Path(cfg.model.hf).exists():
+        _fail(cfg, "model.hf", "an HF model directory or config .json file (or null)")
     if cfg.checkpoint.resume not in ("never", "auto") and not Path(cfg.checkpoint.resume).is_dir():
         _fail(cfg, "checkpoint.resume", "never, auto or an existing checkpoint directory")
     if cfg.debug.crash_at_step and not cfg.checkpoint.every:

@@ -1,8 +1,9 @@
 """The training script's data: a deterministic corpus and resumable per-rank batches.
 
 No download: unless ``data.path`` names a text file, the corpus is generated from a
-seeded grammar. Characters are the tokens. Each epoch cuts the corpus into windows of
-``block_size + 1`` characters at a random offset and visits them in a random order;
+seeded grammar. Characters are the tokens (with ``model.hf``, the HF tokenizer's if it
+has one). Each epoch cuts the corpus into windows of ``block_size + 1`` tokens at a random
+offset and visits them in a random order;
 the ranks take disjoint slices of every global batch, so each sees different samples.
 The whole stream is a function of (seed, position), so a checkpoint that records the
 position resumes it exactly.
@@ -55,6 +56,18 @@ class CharData:
         self.vocab_size = len(self.chars)
 
 
+class TokenData:
+    """A corpus encoded by a Hugging Face tokenizer (``model.hf`` with tokenizer files)."""
+
+    def __init__(self, text: str, tokenizer: Any) -> None:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.data = torch.tensor(ids, dtype=torch.long)  # (N,)
+        self.vocab_size = len(tokenizer)
+
+
+Corpus = CharData | TokenData
+
+
 class Batches:
     """This rank's batches: ``next()`` returns ``(x, y)``, each (B, T), y shifted by one.
 
@@ -64,7 +77,7 @@ class Batches:
     """
 
     def __init__(
-        self, data: CharData, block_size: int, batch_size: int, rank: int, world: int, seed: int
+        self, data: Corpus, block_size: int, batch_size: int, rank: int, world: int, seed: int
     ) -> None:
         self.data, self.block_size, self.batch_size = data, block_size, batch_size
         self.rank, self.world, self.seed = rank, world, seed
@@ -97,8 +110,9 @@ class Batches:
         self.position = int(state["position"])
 
 
-def load_data(cfg: Config, world_size: int) -> CharData:
-    """The corpus; a ``ConfigError`` if it holds less than one global batch of sequences."""
+def load_data(cfg: Config, world_size: int, tokenizer: Any | None = None) -> Corpus:
+    """The corpus, characters as tokens or encoded by ``tokenizer`` (an HF tokenizer); a
+    ``ConfigError`` if it holds less than one global batch of sequences."""
     if cfg.data.path is None:
         text = synthetic_corpus()
     else:
@@ -108,13 +122,13 @@ def load_data(cfg: Config, world_size: int) -> CharData:
             raise ConfigError(
                 f"data.path {cfg.data.path!r} is not a readable UTF-8 file: {e}"
             ) from e
-    data = CharData(text)
+    data = CharData(text) if tokenizer is None else TokenData(text, tokenizer)
     t, block = cfg.train, cfg.model.block_size
-    windows = (len(text) - 1) // block - 1
+    windows = (len(data.data) - 1) // block - 1
     if windows < t.batch_size * world_size:
         source = "the synthetic corpus" if cfg.data.path is None else f"data.path {cfg.data.path}"
         raise ConfigError(
-            f"{source} holds {len(text):,} characters, {max(windows, 0)} sequences of "
+            f"{source} holds {len(data.data):,} tokens, {max(windows, 0)} sequences of "
             f"model.block_size={block}: fewer than one global batch of train.batch_size x "
             f"world size = {t.batch_size} x {world_size}; use a longer text, fewer ranks or "
             "a smaller batch"

@@ -1,9 +1,9 @@
 """The training script's setup: process group, the wrapped model, schedule, loss scaling.
 
-``build_model`` is the one place that composes fsdp_lite's features, in torchtitan's
-order: activation checkpointing per block, then a unit per block (or by size), then the
-root, with the offload, prefetch, mixed-precision and hybrid-sharding policies the
-config picks.
+``build_model`` (the GPT, or a Hugging Face causal LM with ``model.hf``: see ``train_hf``)
+is the one place that composes fsdp_lite's features, in torchtitan's order: activation
+checkpointing per block, then a unit per block (or by size), then the root, with the
+offload, prefetch, mixed-precision and hybrid-sharding policies the config picks.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from train_config import Config, ConfigError, TrainConfig
 
@@ -120,15 +121,17 @@ def _offload(cfg: Config) -> fsdp_lite.CPUOffload | fsdp_lite.SSDOffload | None:
     return None
 
 
-def _wrap_policy(cfg: Config, gpt: GPT) -> fsdp_lite.wrap.Policy | None:
+def _wrap_policy(
+    cfg: Config, model: nn.Module, blocks: tuple[type[nn.Module], ...]
+) -> fsdp_lite.wrap.Policy | None:
     """Which submodules become units; activation checkpointing is applied first, so with
-    ``wrap: block`` each unit wraps a checkpointed block."""
-    unit_type: type = Block
+    ``wrap: block`` each unit wraps a checkpointed block (``blocks``: the block classes)."""
+    unit_types: tuple[type, ...] = blocks
     if cfg.fsdp.activation_checkpointing:
-        fsdp_lite.apply_activation_checkpointing(gpt, fsdp_lite.wrap.by_type(Block))
-        unit_type = fsdp_lite.checkpoint.CheckpointWrapper
+        fsdp_lite.apply_activation_checkpointing(model, fsdp_lite.wrap.by_type(*blocks))
+        unit_types = (fsdp_lite.checkpoint.CheckpointWrapper,)
     if cfg.fsdp.wrap == "block":
-        return fsdp_lite.wrap.by_type(unit_type)
+        return fsdp_lite.wrap.by_type(*unit_types)
     if cfg.fsdp.wrap == "size":
         by_size = fsdp_lite.wrap.by_size(cfg.fsdp.wrap_min_params)
         # Containers have no forward of their own: a unit around one would never run.
@@ -136,12 +139,35 @@ def _wrap_policy(cfg: Config, gpt: GPT) -> fsdp_lite.wrap.Policy | None:
     return None
 
 
-def build_model(cfg: Config, vocab_size: int, d: Dist) -> tuple[fsdp_lite.FSDPModule, int]:
-    """The wrapped GPT and its parameter count (tied weights counted once)."""
-    m, f = cfg.model, cfg.fsdp
-    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+def _inner_model(cfg: Config, vocab_size: int) -> tuple[nn.Module, tuple[type[nn.Module], ...]]:
+    """The unwrapped model and its block classes: the GPT, or the ``model.hf`` causal LM."""
+    m = cfg.model
+    if m.hf is not None:
+        import train_hf  # imports transformers
+
+        model = train_hf.build_hf_model(cfg)
+        return model, train_hf.layer_classes(model)
     gpt = GPT(GPTConfig(vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout))
-    n_params = sum(p.numel() for p in gpt.parameters())
+    return gpt, (Block,)
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, hf: bool) -> torch.Tensor:
+    """Mean next-token cross-entropy; ``y`` is ``x`` shifted by one (each (B, T)). The GPT
+    computes it itself; for an HF model it is taken on the logits against the shifted ``y``
+    (``labels=`` would shift a second time)."""
+    if not hf:
+        return model(x, y)[1]
+    logits = model(input_ids=x, use_cache=False).logits  # (B, T, V)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def build_model(cfg: Config, vocab_size: int, d: Dist) -> tuple[fsdp_lite.FSDPModule, int]:
+    """The wrapped model (the GPT or ``model.hf``) and its parameter count (tied weights
+    counted once)."""
+    f = cfg.fsdp
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    inner, blocks = _inner_model(cfg, vocab_size)
+    n_params = sum(p.numel() for p in inner.parameters())
     dtype = DTYPES[f.mixed_precision]
     mp = None if dtype == torch.float32 else fsdp_lite.MixedPrecision(dtype, torch.float32)
     groups = None
@@ -150,9 +176,9 @@ def build_model(cfg: Config, vocab_size: int, d: Dist) -> tuple[fsdp_lite.FSDPMo
     # max_in_flight counts the running unit's own gather too
     prefetch = fsdp_lite.PrefetchPolicy(max_in_flight=f.prefetch + 1) if f.prefetch else None
     model = fsdp_lite.FSDPModule(
-        gpt,
+        inner,
         process_group=groups,
-        auto_wrap_policy=_wrap_policy(cfg, gpt),
+        auto_wrap_policy=_wrap_policy(cfg, inner, blocks),
         reshard_after_forward=f.reshard_after_forward,
         mixed_precision=mp,
         sync_module_states=True,

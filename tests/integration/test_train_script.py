@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "train.py"
 CONFIG = ROOT / "configs" / "tiny.yaml"
+LLAMA = ROOT / "configs" / "tiny_llama.yaml"
+LLAMA_DIR = ROOT / "configs" / "tiny_llama"
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from train_config import ConfigError, load_config, markdown_table  # noqa: E402
@@ -58,8 +60,16 @@ SCALARS = {
 }
 
 
-def torchrun(cwd: Path, name: str, *args: str, restarts: int = 0) -> str:
-    """Run the script on 2 ranks in ``cwd``; return its output (raise if it failed)."""
+def torchrun(
+    cwd: Path,
+    name: str,
+    *args: str,
+    restarts: int = 0,
+    config: Path = CONFIG,
+    base: tuple[str, ...] = tuple(TINY),
+) -> str:
+    """Run the script on 2 ranks in ``cwd`` with ``config`` and the ``base`` overrides
+    (the tiny GPT's by default), then ``args``; return its output (raise if it failed)."""
     cmd = [
         str(Path(sys.executable).parent / "torchrun"),
         "--standalone",
@@ -68,10 +78,10 @@ def torchrun(cwd: Path, name: str, *args: str, restarts: int = 0) -> str:
         "--monitor-interval=0.5",
         str(SCRIPT),
         "--config",
-        str(CONFIG),
+        str(config),
         "--set",
         f"name={name}",
-        *TINY,
+        *base,
         *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -197,6 +207,55 @@ def test_feature_knobs_train_checkpoint_and_match_theoretical_comm(tmp_path: Pat
     assert (tmp_path / "checkpoints" / "knobs" / "step_0000008" / ".metadata").is_file()
 
 
+def char_tokenizer_dir(directory: Path) -> None:
+    """Save into ``directory`` an HF tokenizer that maps each character to the id the
+    script's character tokenizer gives it (so a model trained on one reads the other)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from train_data import CharData, synthetic_corpus
+    from transformers import PreTrainedTokenizerFast
+
+    chars = CharData(synthetic_corpus())
+    tok = Tokenizer(models.WordLevel(dict(chars.stoi), unk_token=" "))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(directory))
+
+
+def corpus_loss(model: torch.nn.Module, block: int = 64, rows: int = 16) -> float:
+    """Next-character cross-entropy of ``model`` on the start of the synthetic corpus."""
+    from train_data import CharData, synthetic_corpus
+
+    data = CharData(synthetic_corpus()).data[: rows * (block + 1)].view(rows, block + 1)
+    with torch.no_grad():
+        logits = model(input_ids=data[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten()).item()
+
+
+def test_hf_llama_trains_exports_and_continues_from_its_export(tmp_path: Path) -> None:
+    """model.hf: a tiny Llama from its config trains on characters and is exported for
+    LlamaForCausalLM.from_pretrained; a second run starts from that export (weights) with
+    an HF tokenizer added to it and carries on from the trained loss."""
+    from transformers import LlamaForCausalLM
+
+    steps = ("train.steps=30", "train.warmup_steps=5", "train.log_every=10")
+    out = torchrun(tmp_path, "llama", f"model.hf={LLAMA_DIR}", config=LLAMA, base=steps)
+    export = tmp_path / "checkpoints" / "llama" / "hf_final"
+    assert "final model (Hugging Face format) saved to checkpoints/llama/hf_final" in out, out
+    summary = json.loads((tmp_path / "runs" / "llama" / "summary.json").read_text())
+    assert summary["units"] == 3  # the root + one per LlamaDecoderLayer
+    assert summary["last_loss"] < summary["first_loss"] - 1.0, summary
+    model, info = LlamaForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    trained = corpus_loss(model.eval())
+    assert trained < summary["first_loss"] - 1.0, (trained, summary)
+
+    char_tokenizer_dir(export)
+    torchrun(tmp_path, "again", f"model.hf={export}", config=LLAMA, base=steps[:1])
+    again = json.loads((tmp_path / "runs" / "again" / "summary.json").read_text())
+    assert again["first_loss"] == pytest.approx(summary["last_loss"], abs=0.3), again
+    assert (tmp_path / "checkpoints" / "again" / "hf_final" / "tokenizer.json").is_file()
+
+
 # -- config validation, in-process ---------------------------------------------------
 
 
@@ -221,6 +280,7 @@ def test_feature_knobs_train_checkpoint_and_match_theoretical_comm(tmp_path: Pat
             "debug.crash_rank=1 does not exist with 1 rank(s)",
         ),
         (["train.steps"], 2, "--set expects section.key=value"),
+        (["model.hf=no/such/dir"], 2, "model.hf must be an HF model directory or config"),
     ],
 )
 def test_bad_config_fails_at_start_naming_the_key(overrides, world, message) -> None:
@@ -237,6 +297,25 @@ def test_corpus_smaller_than_a_global_batch_is_refused(tmp_path: Path) -> None:
     load_data(cfg, world_size=2)
     with pytest.raises(ConfigError, match=r"fewer than one global batch .* 4 x 3"):
         load_data(cfg, world_size=3)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"vocab_size": 16}, "vocab_size 16 is smaller than the character vocabulary of the "),
+        ({"max_position_embeddings": 32}, "model.block_size=64 exceeds the model's max_pos"),
+    ],
+)
+def test_hf_config_that_cannot_take_the_corpus_is_refused(tmp_path, changes, message) -> None:
+    """model.hf as a single config file: its vocab must cover the characters, its
+    positions the block size."""
+    import train
+
+    config = json.loads((LLAMA_DIR / "config.json").read_text()) | changes
+    (tmp_path / "small.json").write_text(json.dumps(config))
+    cfg = load_config(str(LLAMA), [f"model.hf={tmp_path / 'small.json'}"], world_size=2)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train._load_data(cfg, world=2)
 
 
 def test_global_batch_size_sets_grad_accum() -> None:
