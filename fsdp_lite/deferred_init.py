@@ -197,7 +197,7 @@ def _rebuild_buffers(module: nn.Module, plan: InitPlan, name: str) -> dict[str, 
     try:
         for fill in (0.0, 1.0):
             _set_rng_state(own, plan.device)
-            with _scratch(module, plan.device, keep=set(), fill=fill):
+            with _scratch(module, plan.device, fill=fill):
                 if chain:
                     _hf_init(module, chain)
                 else:
@@ -238,7 +238,7 @@ def make_plan(
                 if rebuilt := _rebuild_buffers(module, plan, name):
                     plan.rebuilt[id(module)] = rebuilt
                 plan.states[id(module)] = _rng_state(device)
-                with _scratch(module, device, keep=set(), fill=_default_fill(plan)) as fresh:
+                with _scratch(module, device, fill=_default_fill(plan)) as fresh:
                     _initialize(module, plan, name)
                     if init_fn is None:
                         _check_written(module, name, fresh)
@@ -253,14 +253,12 @@ def _default_fill(plan: InitPlan) -> float | None:
 
 
 class _scratch:
-    """Within the block, ``module``'s own meta tensors are real tensors on ``device``
-    (except the parameter ids in ``keep``), empty or filled with ``fill`` (NaN: floats
+    """Within the block, ``module``'s own meta tensors are real tensors on ``device``,
+    empty or filled with ``fill`` (NaN: floats
     only); afterwards the originals are back. The block gets the names of the new tensors."""
 
-    def __init__(
-        self, module: nn.Module, device: torch.device, keep: set[int], fill: float | None = None
-    ) -> None:
-        self.module, self.device, self.keep, self.fill = module, device, keep, fill
+    def __init__(self, module: nn.Module, device: torch.device, fill: float | None = None) -> None:
+        self.module, self.device, self.fill = module, device, fill
 
     def _new(self, t: torch.Tensor) -> torch.Tensor:
         real = torch.empty_like(t, device=self.device)
@@ -273,7 +271,7 @@ class _scratch:
         self.params, self.buffers = dict(m._parameters), dict(m._buffers)
         fresh = []
         for attr, p in self.params.items():
-            if p is not None and p.is_meta and id(p) not in self.keep:
+            if p is not None and p.is_meta:
                 m._parameters[attr] = nn.Parameter(self._new(p), requires_grad=p.requires_grad)
                 fresh.append(attr)
         for attr, b in self.buffers.items():
@@ -305,7 +303,7 @@ def materialize(module: nn.Module, name: str, plan: InitPlan) -> None:
             for p in module._parameters.values()
             if p is not None and p.is_meta and plan.owner.get(id(p)) == id(module)
         }
-        with _scratch(module, plan.device, keep=set(), fill=_default_fill(plan)):
+        with _scratch(module, plan.device, fill=_default_fill(plan)):
             _initialize(module, plan, name)
             values = {a: p for a, p in module._parameters.items() if p is not None}
             buffers = {a: b for a, b in module._buffers.items() if b is not None}
