@@ -8,11 +8,13 @@ the seam tests patch to observe what crosses the wire.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import datetime
 import os
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,13 +38,29 @@ class PeerError(RuntimeError):
     """A collective failed because a peer rank died or stopped responding."""
 
 
+# What a backend raises when a peer is gone or too slow; anything else raised inside a
+# collective call (a CPU tensor on an NCCL group, a wrong size) is a local error and
+# propagates unchanged.
+_PEER_FAILURE_TEXT = ("connection closed by peer", "connection reset", "timed out", "timeout")
+_WAIT_TIMED_OUT = "Operation timed out!"  # Work.wait(timeout) ran out; the work goes on
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    if isinstance(e, dist.DistNetworkError | dist.DistBackendError | dist.DistStoreError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(t in text for t in _PEER_FAILURE_TEXT)
+
+
 @contextlib.contextmanager
 def _peer_errors(op: str, unit: str | None) -> Iterator[None]:
     try:
         yield
     except (DivergenceError, PeerError):
         raise
-    except RuntimeError as e:  # DistBackendError, gloo/NCCL errors and timeouts
+    except RuntimeError as e:
+        if not _is_peer_failure(e):
+            raise
         what = f"{op} of unit '{unit}'" if unit else op
         raise PeerError(
             f"fsdp_lite: {what} failed: a peer rank is gone or did not respond "
@@ -53,12 +71,22 @@ def _peer_errors(op: str, unit: str | None) -> Iterator[None]:
 
 class Handle:
     """An in-flight collective. ``wait()`` blocks (gloo) or makes the current CUDA stream
-    wait (NCCL) until it is done, and records the time it was exposed."""
+    wait (NCCL) until it is done, records the time it was exposed, then runs ``after``
+    (a copy back from the process group's device)."""
 
-    def __init__(self, work: Any, unit: str | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        work: Any,
+        unit: str | None,
+        device: torch.device,
+        group: ProcessGroup | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> None:
         self.work = work
         self.unit = unit
         self.device = device
+        self.group = group
+        self.after = after
 
     @property
     def waited(self) -> bool:
@@ -80,8 +108,26 @@ class Handle:
         else:
             t0 = time.perf_counter()
             with _peer_errors("waiting for a collective", self.unit):
-                work.wait()
+                _wait_watching_for_divergence(work, self.group)
             accounting.record_wait(self.unit, time.perf_counter() - t0)
+        if self.after is not None:
+            self.after()
+
+
+def _wait_watching_for_divergence(work: Any, group: ProcessGroup | None) -> None:
+    """Block until ``work`` is done. Every ``STALL_SECONDS`` still waiting, see whether a
+    peer rank opened a divergence check this rank should answer (see the Note below)."""
+    if group is None or not GUARD.watching(group):
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(datetime.timedelta(seconds=STALL_SECONDS))
+            return
+        except RuntimeError as e:
+            if str(e) != _WAIT_TIMED_OUT:
+                raise
+        GUARD.answer_open_check(group)
 
 
 def require_initialized(what: str = "fsdp_lite.FSDPModule") -> None:
@@ -152,6 +198,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def comm_device(group: ProcessGroup, device: torch.device) -> torch.device:
+    """Where a collective on ``group`` runs for a tensor on ``device``: that device if the
+    group's backend takes it, else the backend's (NCCL takes CUDA tensors only: CPU-offloaded
+    shards and CPU state are staged on the current CUDA device)."""
+    types = _DEVICE_TYPES.get(id(group))
+    if types is None:
+        types = _DEVICE_TYPES[id(group)] = {d.type for d in getattr(group, "_device_types", [])}
+    if not types or device.type in types:
+        return device
+    if "cuda" in types:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_DEVICE_TYPES: dict[int, set[str]] = {}
+
+
+def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def _copy_back(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None] | None:
+    return None if src is dst else lambda: dst.copy_(src)
+
+
 def all_gather_flat(
     output: torch.Tensor,
     shard: torch.Tensor,
@@ -170,9 +241,11 @@ def all_gather_flat(
         return Handle(None, unit, output.device)
     GUARD.before("all_gather", unit, output, group)
     accounting.record_collective("all_gather", output, unit)
+    device = comm_device(group, output.device)
+    out = output if output.device == device else torch.empty_like(output, device=device)
     with _peer_errors("all_gather", unit):
-        work = _all_gather_flat(output, shard, group=group, async_op=True)
-    handle = Handle(work, unit, output.device)
+        work = _all_gather_flat(out, _staged(shard, device), group=group, async_op=True)
+    handle = Handle(work, unit, device, group, _copy_back(output, out))
     if not async_op:
         handle.wait()
     return handle
@@ -192,9 +265,11 @@ def reduce_scatter_flat(
         return Handle(None, unit, output.device)
     GUARD.before("reduce_scatter", unit, full, group)
     accounting.record_collective("reduce_scatter", full, unit)
+    device = comm_device(group, output.device)
+    out = output if output.device == device else torch.empty_like(output, device=device)
     with _peer_errors("reduce_scatter", unit):
-        work = _reduce_scatter_flat(output, full, group=group, async_op=True)
-    return Handle(work, unit, output.device)
+        work = _reduce_scatter_flat(out, _staged(full, device), group=group, async_op=True)
+    return Handle(work, unit, device, group, _copy_back(output, out))
 
 
 def all_reduce(
@@ -210,9 +285,12 @@ def all_reduce(
         return
     GUARD.before("all_reduce", unit, tensor, group)
     accounting.record_collective(kind, tensor, unit)
+    device = comm_device(group, tensor.device)
+    staged = _staged(tensor, device)
+    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     with _peer_errors(kind, unit):
-        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        dist.all_reduce(tensor, op=reduce_op, group=group)
+        work = dist.all_reduce(staged, op=reduce_op, group=group, async_op=True)
+    Handle(work, unit, device, group, _copy_back(tensor, staged)).wait()
 
 
 def broadcast_from_first(tensor: torch.Tensor, groups: list[ProcessGroup | None]) -> None:
@@ -229,8 +307,12 @@ def broadcast(tensor: torch.Tensor, group: ProcessGroup, src_rank: int = 0) -> N
         return
     GUARD.before("broadcast", None, tensor, group)
     accounting.record_collective("broadcast", tensor, None)
+    device = comm_device(group, tensor.device)
+    staged = _staged(tensor, device)
+    src = dist.get_global_rank(group, src_rank)
     with _peer_errors("broadcast", None):
-        dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)
+        work = dist.broadcast(staged, src=src, group=group, async_op=True)
+    Handle(work, None, device, group, _copy_back(tensor, staged)).wait()
 
 
 def barrier(group: ProcessGroup) -> None:
@@ -263,15 +345,33 @@ def global_ranks(group: ProcessGroup) -> list[int]:
 
 # -- divergence detection ---------------------------------------------------------
 # [Note: divergence check]
-# Every counted collective extends a running fingerprint (op, unit, element count) and a
-# log of the current iteration. "cheap" (the default): at each root forward the ranks
-# compare last iteration's fingerprints with one two-element all-reduce; during the first
-# two iterations they also check every collective before issuing it. "thorough": every
-# collective is checked before it is issued, so ranks about to diverge raise instead of
-# hanging. "off": nothing. Set with FSDP_LITE_CHECK or set_divergence_check().
+# Ranks that issue different collectives (a unit skipped or run in another order on some
+# ranks) would hang, crash the backend, or -- same-sized units swapped -- silently mix
+# parameters. Every collective is logged as an entry (op, unit, element count) in the
+# current iteration (from one root forward to the next). "cheap", the default:
+#  * In lockstep (the first iteration of each root, and the rest of any iteration after
+#    an agreed deviation), every collective is compared across the group before it is
+#    issued: a small all-gather on the group itself, safe because every rank does it.
+#  * Otherwise each rank compares each entry with the same position of its own previous
+#    iteration of the same root: a tuple compare, no communication, no host sync. The
+#    steady-state step costs nothing else.
+#  * A rank that deviates (or ends its iteration early) does not issue the collective:
+#    it posts its entry to the process group's store and waits for every peer's entry
+#    at the same (iteration, position). Peers that deviate the same way post theirs (data-
+#    dependent control flow that every rank takes: they agree, go on in lockstep). A peer
+#    that did not deviate is blocked in a collective the deviating rank never joins; every
+#    STALL_SECONDS of waiting it looks for an open check and answers with its own entry
+#    at that position. Entries differ: DivergenceError on both, naming units and ranks.
+# On NCCL a blocked collective does not block the host, so an on-track peer cannot answer;
+# the deviating rank raises after the check's timeout (the process group's by default).
+# "thorough": lockstep always. "off": nothing. Set with FSDP_LITE_CHECK or
+# set_divergence_check().
 
-_OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4}
 CHECK_MODES = ("off", "cheap", "thorough")
+STALL_SECONDS = 1.0
+Entry = tuple[str, str, int]
+_END: Entry = ("end of iteration", "-", 0)
+_OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4, _END[0]: 5}
 
 
 class _Guard:
@@ -279,25 +379,67 @@ class _Guard:
         self.mode = os.environ.get("FSDP_LITE_CHECK", "cheap")
         if self.mode not in CHECK_MODES:
             raise ValueError(f"FSDP_LITE_CHECK must be one of {CHECK_MODES}, got {self.mode!r}")
+        self.timeout = float(os.environ.get("FSDP_LITE_CHECK_TIMEOUT", 0)) or None
         self.iteration = 0
-        self.fingerprint = 0
-        self.log: list[tuple[str, str, int]] = []  # this iteration's collectives
+        self.root: str | None = None  # the root whose forward opened this iteration
+        self.log: list[Entry] = []  # this iteration's collectives
+        self.previous: list[Entry] = []  # the last iteration's (any root)
+        self.references: dict[str, list[Entry]] = {}  # each root's last iteration
+        self.reference: list[Entry] | None = None  # this root's, compared against
+        self.lockstep = True  # compare every collective across the group before issuing it
+        self._answered: set[tuple[int, int]] = set()
+        self._my_last_key: str | None = None
+        self._peers: dict[int, bool] = {}  # id(group) -> has ranks to check against
         self._busy = False  # the check's own collectives are not checked
 
+    def watching(self, group: ProcessGroup) -> bool:
+        return self.mode == "cheap" and self._has_peers(group)
+
+    def _has_peers(self, group: ProcessGroup) -> bool:
+        peers = self._peers.get(id(group))
+        if peers is None:
+            peers = world_size(group) > 1 and dist.get_backend(group) != "fake"
+            self._peers[id(group)] = peers
+        return peers
+
     def before(self, op: str, unit: str | None, tensor: torch.Tensor, group: ProcessGroup) -> None:
-        if self.mode == "off" or self._busy:
+        if self.mode == "off" or self._busy or not self._has_peers(group):
             return
         entry = (op, unit or "-", tensor.numel())
-        if self.mode == "thorough" or self.iteration < 2:
-            self._compare(entry, group, tensor.device)
+        position = len(self.log)
         self.log.append(entry)
-        self.fingerprint = zlib.crc32(repr(entry).encode(), self.fingerprint)
+        if self.lockstep or self.mode == "thorough":
+            self._compare_now(entry, position, group, tensor.device)
+            return
+        ref = self.reference
+        if position >= len(ref) or ref[position] != entry:
+            self._rendezvous(entry, position, group)
+            self.lockstep = True  # every rank took the same turn: compare the rest now
 
-    def _compare(
-        self, entry: tuple[str, str, int], group: ProcessGroup, device: torch.device
+    def start_iteration(self, root: str, group: ProcessGroup, device: torch.device) -> None:
+        """At a root's forward: close the last iteration (a rank that issued fewer
+        collectives than its reference checks with its peers first), open the next."""
+        if self.mode != "off" and self._has_peers(group) and self.root is not None:
+            ref = self.reference
+            if self.lockstep or self.mode == "thorough":
+                self._compare_now(_END, len(self.log), group, device)
+            elif len(self.log) < len(ref):
+                self._rendezvous(_END, len(self.log), group)
+        if self.root is not None:
+            self.references[self.root] = self.log
+        self.previous, self.log = self.log, []
+        self.root = root
+        self.iteration += 1
+        self.reference = self.references.get(root)
+        self.lockstep = self.reference is None
+
+    # -- lockstep: compare on the group itself ---------------------------------------
+
+    def _compare_now(
+        self, entry: Entry, position: int, group: ProcessGroup, device: torch.device
     ) -> None:
-        # On the collective's device: an NCCL group takes CUDA tensors only.
-        code = [_OPS[entry[0]], zlib.crc32(entry[1].encode()), entry[2]]
+        device = comm_device(group, device)
+        code = [_OPS[entry[0]], _crc(entry[1]), entry[2]]
         mine = torch.tensor(code, dtype=torch.int64, device=device)
         everyone = torch.empty(world_size(group) * 3, dtype=torch.int64, device=device)
         accounting.record_collective("divergence_check", everyone, None)
@@ -310,59 +452,110 @@ class _Guard:
             entries = all_gather_object(entry, group)
         finally:
             self._busy = False
-        about_to = "; ".join(
-            f"rank {r}: {op} of unit '{u}' ({n} elements)" for r, (op, u, n) in enumerate(entries)
-        )
-        raise DivergenceError(
-            f"fsdp_lite: ranks were about to issue different collectives ({about_to}). A unit "
-            "ran on some ranks but not others, or in a different order: make every rank run "
-            "the same units in the same order (no data-dependent skipping of wrapped modules)"
-        )
+        raise DivergenceError(_describe(global_ranks(group), entries, self.iteration, position))
 
-    def end_iteration(self, group: ProcessGroup, device: torch.device) -> None:
-        """At the root's forward: compare the last iteration's fingerprints across ranks
-        (a two-element all-reduce on ``device``, the root's compute device)."""
-        if self.mode == "off" or world_size(group) == 1:
-            self.iteration += 1
+    # -- off lockstep: compare through the store -------------------------------------
+
+    def _rendezvous(self, entry: Entry, position: int, group: ProcessGroup) -> None:
+        """Post ``entry`` as this rank's at (iteration, position), announce the check, and
+        wait for every rank of ``group`` to post theirs; raise if they differ."""
+        store, name = _store(), group.group_name
+        store.set(f"fsdp_lite/open/{name}", f"{self.iteration}/{position}")
+        self._answer(store, group, self.iteration, position, entry)
+
+    def answer_open_check(self, group: ProcessGroup) -> None:
+        """Called while blocked in a collective: answer a check a peer opened, if any."""
+        store = _store()
+        key = f"fsdp_lite/open/{group.group_name}"
+        if not store.check([key]):
             return
-        both = torch.tensor([self.fingerprint, -self.fingerprint], dtype=torch.int64, device=device)
-        accounting.record_collective("divergence_check", both, None)
-        self._busy = True
+        iteration, position = (int(x) for x in store.get(key).decode().split("/"))
+        if (iteration, position) in self._answered:
+            return
+        if iteration == self.iteration and position < len(self.log):
+            mine = self.log[position]
+        elif iteration == self.iteration - 1 and position <= len(self.previous):
+            mine = self.previous[position] if position < len(self.previous) else _END
+        else:
+            return  # not a point this rank passed: nothing to answer with
+        self._answer(store, group, iteration, position, mine)
+
+    def _answer(
+        self, store: Any, group: ProcessGroup, iteration: int, position: int, mine: Entry
+    ) -> None:
+        self._answered.add((iteration, position))
+        ranks = global_ranks(group)
+        base = f"fsdp_lite/check/{group.group_name}/{iteration}/{position}/"
+        store.set(base + str(dist.get_rank()), repr(mine))
+        keys = [base + str(r) for r in ranks]
+        timeout = datetime.timedelta(seconds=self.timeout or _pg_timeout(group))
         try:
-            with _peer_errors("checking the last iteration", None):
-                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-            differ = int(both[0]) != -int(both[1])
-            logs = all_gather_object(self.log, group) if differ else None
-        finally:
-            self._busy = False
-        self.iteration += 1
-        self.fingerprint, self.log = 0, []
-        if logs is not None:
-            raise DivergenceError(_describe_divergence(logs))
+            store.wait(keys, timeout)
+        except RuntimeError as e:
+            missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
+            raise DivergenceError(
+                f"fsdp_lite: rank {dist.get_rank()} was about to issue {_what(mine)} as "
+                f"collective #{position} of iteration {iteration}, where its previous "
+                f"iteration issued {_what(_at(self.reference, position))}; ranks {missing} "
+                f"did not reach that point within {timeout.total_seconds():.0f} s. A unit "
+                "ran on some ranks but not others: make every rank run the same units"
+            ) from e
+        entries = [ast.literal_eval(v.decode()) for v in store.multi_get(keys)]
+        if self._my_last_key is not None:
+            store.delete_key(self._my_last_key)  # every rank is past that check
+        self._my_last_key = base + str(dist.get_rank())
+        if any(e != mine for e in entries):
+            raise DivergenceError(_describe(ranks, entries, iteration, position))
 
 
-def _describe_divergence(logs: list) -> str:
-    length = max(len(log) for log in logs)
-    for i in range(length):
-        seen = [log[i] if i < len(log) else None for log in logs]
-        if len(set(seen)) > 1:
-            per_rank = "; ".join(
-                f"rank {r}: " + (f"{e[0]} of unit '{e[1]}' ({e[2]} elements)" if e else "nothing")
-                for r, e in enumerate(seen)
-            )
-            return (
-                f"fsdp_lite: in the last iteration the ranks' collective #{i} differed "
-                f"({per_rank}); their results are not to be trusted. A unit ran on some ranks "
-                "but not others, or in a different order: make every rank run the same units"
-            )
-    return "fsdp_lite: the ranks' collectives differed in the last iteration"
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def _store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _pg_timeout(group: ProcessGroup) -> float:
+    """The group's collective timeout in seconds (what a hung collective would wait)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout.total_seconds()
+
+
+def _at(log: list[Entry] | None, position: int) -> Entry | None:
+    return log[position] if log is not None and position < len(log) else None
+
+
+def _what(entry: Entry | None) -> str:
+    if entry is None or entry == _END:
+        return "nothing (the end of its iteration)"
+    return f"{entry[0]} of unit '{entry[1]}' ({entry[2]} elements)"
+
+
+def _describe(ranks: list[int], entries: list, iteration: int, position: int) -> str:
+    per_rank = "; ".join(
+        f"rank {r}: {_what(tuple(e))}" for r, e in zip(ranks, entries, strict=True)
+    )
+    return (
+        f"fsdp_lite: ranks were about to issue different collectives as collective #{position} "
+        f"of iteration {iteration} ({per_rank}). A unit ran on some ranks but not others, or "
+        "in a different order: make every rank run the same units in the same order (no "
+        "data-dependent skipping of wrapped modules)"
+    )
 
 
 GUARD = _Guard()
 
 
-def set_divergence_check(mode: str) -> None:
-    """``"cheap"`` (default), ``"thorough"`` (check before every collective) or ``"off"``."""
+def set_divergence_check(mode: str, *, timeout: float | None = None) -> None:
+    """``"cheap"`` (default: no communication in the steady-state step), ``"thorough"``
+    (every collective compared across ranks before it is issued) or ``"off"``.
+    ``timeout``: seconds a rank that took a different path waits for its peers before
+    raising (default: the process group's timeout)."""
     if mode not in CHECK_MODES:
         raise ValueError(f"divergence check must be one of {CHECK_MODES}, got {mode!r}")
     GUARD.mode = mode
+    if timeout is not None:
+        GUARD.timeout = timeout

@@ -231,9 +231,9 @@ class FlatParam:
 def _build_shard(
     flat: FlatParam, originals: list[nn.Parameter], sync: bool, device: torch.device
 ) -> torch.Tensor:
-    """This rank's slice of the padded flat param. Without ``sync`` it is copied straight
-    from the originals, so no full-size flat buffer is ever allocated."""
-    dtype = originals[0].dtype
+    """This rank's slice of the padded flat param, in the master dtype. Without ``sync`` it
+    is copied straight from the originals, so no full-size flat buffer is ever allocated."""
+    dtype = master_dtype(originals[0].dtype)
     start, end = flat.rank * flat.shard_numel, (flat.rank + 1) * flat.shard_numel
     if sync:  # sync_module_states: every rank starts from rank 0's values
         full = torch.zeros(flat.padded_numel, dtype=dtype, device=device)
@@ -248,6 +248,12 @@ def _build_shard(
             piece = p.detach().reshape(-1)[lo - slot.offset : hi - slot.offset]
             shard[lo - start : hi - start].copy_(piece)
     return shard
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the shard an optimizer steps: fp32 for a module loaded in bf16 or fp16
+    (low-precision masters lose small updates to rounding), else the parameter's own."""
+    return torch.float32 if dtype.itemsize < 4 else dtype
 
 
 @dataclass

@@ -25,6 +25,7 @@ from fsdp_lite.tree import UNIT_ATTR, units_of
 from fsdp_lite.unit import Unit
 from fsdp_lite.unit_init import (
     build_flat_params,
+    check_replicas_agree,
     check_wrappable,
     install_fp32_modules,
     prepare_buffers,
@@ -40,7 +41,8 @@ class FSDPModule(nn.Module):
     The parameters of ``module`` that no nested ``FSDPModule`` owns are flattened into
     one 1-D buffer per (dtype, requires_grad, compute dtype), padded to a multiple of
     the world size W, and rank r keeps its contiguous 1/W slice as an fp32
-    ``nn.Parameter`` (the *shard*). ``parameters()`` yields only shards: build the
+    ``nn.Parameter`` (the *shard*, the master copy: fp32 also for a module loaded in bf16
+    or fp16). ``parameters()`` yields only shards: build the
     optimizer after wrapping. Forward all-gathers the full parameters in the compute
     dtype, runs ``module`` and frees them again; backward re-gathers them and
     reduce-scatters the gradients into the shards' ``.grad`` (averaged over ranks).
@@ -60,7 +62,9 @@ class FSDPModule(nn.Module):
             the root and, with backward prefetching on, from the second iteration the unit
             whose backward runs first after the root's (the last block of a transformer):
             backward would gather both again at once.
-        mixed_precision: compute and communication dtypes (``None``: everything fp32).
+        mixed_precision: compute and communication dtypes (``None``: compute in the module's
+            own dtype -- fp32, or bf16 for a model loaded in bf16 -- and reduce gradients in
+            fp32). ``model.to(dtype)`` after wrapping is refused: it would cast the masters.
         sync_module_states: broadcast parameters and buffers from rank 0 at wrap time.
         device: compute device; default ``cuda:LOCAL_RANK`` if CUDA is available, else cpu.
         prefetch: which all-gathers to issue ahead (see ``PrefetchPolicy``); ``None`` turns
@@ -132,6 +136,8 @@ class FSDPModule(nn.Module):
             )
             apply_policy(module, auto_wrap_policy, make_unit)
         unit.own(build_flat_params(unit, module, _defer_params, sync_module_states, _init_plan))
+        if not sync_module_states:
+            check_replicas_agree(unit)
         for i, flat in enumerate(unit.flat_params):
             self.register_parameter(f"flat_param_{i}", flat.shard)
         prepare_buffers(unit, module, sync_module_states)
@@ -282,6 +288,19 @@ class FSDPModule(nn.Module):
             offload_to_cpu=offload_to_cpu,
             recurse=recurse,
         )
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        """``model.to(dtype)``, ``.half()``, ``.bfloat16()``... after wrapping would cast the
+        fp32 masters (and the optimizer's view of them): refused before anything changes."""
+        probe = fn(torch.empty(0, dtype=torch.float32))
+        if isinstance(probe, torch.Tensor) and probe.dtype != torch.float32:
+            raise TypeError(
+                f"fsdp_lite: casting a wrapped model to {probe.dtype} would cast its fp32 master "
+                "shards. To compute in low precision, pass mixed_precision=fsdp_lite."
+                f"MixedPrecision(param_dtype={probe.dtype}) when wrapping, or cast the module "
+                "before wrapping (it then computes in that dtype; masters stay fp32)"
+            )
+        return super()._apply(fn, recurse)
 
     def __getattr__(self, name: str) -> Any:
         try:

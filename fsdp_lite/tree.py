@@ -7,6 +7,7 @@ dependencies point down (``fsdp.py`` -> ``unit.py`` -> ``runtime.py``/``flat_par
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -68,3 +69,31 @@ def region_modules(module: nn.Module) -> list[nn.Module]:
 
     visit(module)
     return out
+
+
+def calling_modules() -> list[nn.Module]:
+    """The modules whose ``forward`` is running on this thread, innermost first (read off
+    the Python stack: call it once, not per step)."""
+    code = nn.Module._call_impl.__code__
+    found: list[nn.Module] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            module = frame.f_locals.get("self")
+            if isinstance(module, nn.Module) and all(module is not m for m in found):
+                found.append(module)
+        frame = frame.f_back
+    return found
+
+
+def unsharded_trainable(root: nn.Module) -> list[str]:
+    """Names of ``root``'s parameters that need a gradient and belong to no unit (nor to a
+    ``DistributedDataParallel`` module, which averages its own)."""
+    shards = {id(f.shard) for u in units_of(root) for f in u.flat_params}
+    shards |= {
+        id(p)
+        for m in root.modules()
+        if isinstance(m, nn.parallel.DistributedDataParallel)
+        for p in m.parameters()
+    }
+    return [name for name, p in root.named_parameters() if p.requires_grad and id(p) not in shards]

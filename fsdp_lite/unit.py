@@ -49,7 +49,14 @@ from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.flat_param import FlatParam
 from fsdp_lite.offload import DeviceHome
 from fsdp_lite.state import TrainingState, check_state
-from fsdp_lite.tree import clean_named_modules, region_modules, unit_of, unwrap
+from fsdp_lite.tree import (
+    calling_modules,
+    clean_named_modules,
+    region_modules,
+    unit_of,
+    unsharded_trainable,
+    unwrap,
+)
 
 _BACKWARD_STATES = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
@@ -86,6 +93,7 @@ class Unit:
         self.frozen_early = False  # frozen flat params freed in backward (see Note)
         self.watches: weakref.WeakSet = weakref.WeakSet()  # forward calls awaiting input grads
         self.grads_pending: set[int] = set()  # id of trainable flats not reduced this backward
+        self.enclosure_checked = False  # see _check_enclosing_modules
 
     def own(self, flats: list[FlatParam]) -> None:
         """Take ``flats`` and hook each full gradient to this unit's post-backward."""
@@ -117,10 +125,11 @@ class Unit:
                 return (args, kwargs)
             if self.is_root:
                 runtime.recover_if_interrupted(self.ctx)
+                self._check_enclosing_modules()
             check_state(self.name, self.state, TrainingState.IDLE, doing="run forward")
             self.state = TrainingState.FORWARD
             if self.is_root:
-                collectives.GUARD.end_iteration(self.process_group, self.device)
+                collectives.GUARD.start_iteration(self.name, self.process_group, self.device)
                 self.ctx.forward_order.start()
             with record_function("fsdp_lite::unshard"):
                 self.unshard_with_prefetch(backward=False)
@@ -141,6 +150,36 @@ class Unit:
         self.state = TrainingState.IDLE
         if self.is_root:
             runtime.end_of_root_forward(self.ctx)
+
+    def _check_enclosing_modules(self) -> None:
+        """Once, at the first root forward that builds a graph on several ranks: refuse a
+        root running inside a module whose trainable parameters belong to no unit (only the
+        blocks were wrapped): nothing would average their gradients across ranks."""
+        if self.enclosure_checked or not torch.is_grad_enabled():
+            return
+        self.enclosure_checked = True
+        replicas = self.replicate_group
+        ranks = collectives.world_size(self.process_group) * (
+            collectives.world_size(replicas) if replicas is not None else 1
+        )
+        if ranks == 1:
+            return
+        for outer in reversed(calling_modules()):  # outermost first
+            if outer is self.module or unit_of(outer) is self:
+                break
+            loose = unsharded_trainable(outer)
+            if loose:
+                shown = ", ".join(loose[:3]) + (
+                    f" and {len(loose) - 3} more" if len(loose) > 3 else ""
+                )
+                raise RuntimeError(
+                    f"fsdp_lite: the unit '{self.name}' runs as a root inside "
+                    f"{type(outer).__name__}, whose trainable parameters {shown} belong to no "
+                    f"unit: nothing averages their gradients across the {ranks} ranks, so the "
+                    "ranks would silently diverge. Wrap the whole model -- FSDPModule(model, "
+                    "auto_wrap_policy=...) still makes each block its own unit -- or freeze "
+                    "those parameters"
+                )
 
     def keeps_full_after_forward(self) -> bool:
         """After a forward that built a graph: keep the full parameters for backward?
@@ -298,8 +337,10 @@ class Unit:
         )
 
     def reduce_dtype(self, flat: FlatParam) -> torch.dtype:
+        """``MixedPrecision``'s, else the master dtype (a module loaded in bf16 computes in
+        bf16 and reduces in fp32)."""
         mp = self.mixed_precision
-        return flat.compute_dtype if mp is None else mp.effective_reduce_dtype
+        return flat.shard.dtype if mp is None else mp.effective_reduce_dtype
 
     def end_backward(self) -> None:
         """Resharded and IDLE, whatever this backward reached."""

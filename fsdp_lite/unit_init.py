@@ -11,7 +11,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_lite import collectives, deferred_init, runtime
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.flat_param import FlatParam, ParamSlot
+from fsdp_lite.flat_param import FlatParam, ParamSlot, master_dtype
 from fsdp_lite.tree import clean_named_modules, region_modules, unit_of
 from fsdp_lite.wrap import unowned_parameters
 
@@ -54,9 +54,13 @@ def _check_split_modules(unit: Unit, module: nn.Module) -> None:
 
 
 def _compute_dtype(unit: Unit, sub: nn.Module, p: nn.Parameter) -> torch.dtype:
+    """The module's own dtype unless ``MixedPrecision`` says otherwise; fp32 (or wider) for
+    ``fp32_module_types``, whatever dtype the module was loaded in."""
     mp = unit.mixed_precision
-    if mp is None or isinstance(sub, mp.fp32_module_types):
+    if mp is None:
         return p.dtype
+    if isinstance(sub, mp.fp32_module_types):
+        return master_dtype(p.dtype)
     return mp.param_dtype
 
 
@@ -159,6 +163,32 @@ def build_flat_params(
         _make_flat(unit, members, compute_dtype, sync)
         for (_, _, compute_dtype), members in groups.items()
     ]
+
+
+def check_replicas_agree(unit: Unit) -> None:
+    """Hybrid sharding without ``sync_module_states``: the ranks of a replicate group hold
+    the same slice, so they must start from the same values. Compare a fingerprint of
+    every shard across the replicate group (one small all-reduce; wrap time only)."""
+    group = unit.replicate_group
+    if group is None or collectives.world_size(group) == 1 or not unit.flat_params:
+        return
+    device = collectives.comm_device(group, unit.device)
+    prints = []
+    for flat in unit.flat_params:
+        s = flat.shard.detach().to(device, torch.float64)
+        ramp = torch.linspace(1.0, 2.0, s.numel(), dtype=torch.float64, device=device)
+        prints += [s.sum(), (s * s).sum(), (s * ramp).sum()]
+    both = torch.stack(prints + [-x for x in prints])
+    collectives.all_reduce(both, group, op="max", kind="replica_check")
+    half = len(prints)
+    if not torch.equal(both[:half], -both[half:]):
+        raise ValueError(
+            f"fsdp_lite: hybrid sharding: the replicas of unit '{unit.name}' hold different "
+            "values for the same slice of its parameters (each replica initialized the model "
+            "from its own random state), so they would never agree. Pass "
+            "sync_module_states=True to FSDPModule (rank 0's values are broadcast at wrap "
+            "time), or seed every rank the same before building the model"
+        )
 
 
 def prepare_buffers(unit: Unit, module: nn.Module, sync: bool) -> None:

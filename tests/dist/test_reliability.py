@@ -15,6 +15,7 @@ from torch import nn
 
 import fsdp_lite
 from fsdp_lite.collectives import DivergenceError, PeerError
+from fsdp_lite.state_dict import full_grads
 from fsdp_lite.testing import DistributedTestError, run_distributed
 
 
@@ -56,50 +57,105 @@ def _expect(error: type, needle: list[str], fn) -> str:
     return str(info.value)
 
 
-def _divergence(rank: int, world: int) -> None:
-    inner_route = lambda m: m.module  # noqa: E731
-    # 1. First iterations are checked collective by collective: rank 1 runs an extra unit.
-    model = _model()
-    if rank == 1:
-        inner_route(model).route = ("b0", "extra", "b1")
-    _expect(
-        DivergenceError,
-        ["rank 0: all_gather of unit 'b1'", "rank 1: all_gather of unit 'extra'"],
-        lambda: _steps(model, 1),
+class Chain(nn.Module):
+    """Four same-shaped units between two differently shaped ones; ``skip`` names a block
+    this rank leaves out (the data-dependent control flow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.out = nn.Linear(16, 4)
+        self.skip: int | None = None
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i != self.skip:
+                x = torch.tanh(block(x))
+        return self.out(x).square().mean()
+
+
+def _chain(**kwargs) -> fsdp_lite.FSDPModule:
+    torch.manual_seed(0)
+    return fsdp_lite.FSDPModule(
+        Chain(), auto_wrap_policy=fsdp_lite.wrap.by_type(nn.Linear), **kwargs
     )
-    # 2. Later, the cheap check: same-shaped units swapped silently, caught at the next forward.
-    fsdp_lite.collectives.GUARD.iteration = 0
-    model = _model(prefetch=None)
-    _steps(model, 3)
-    if rank == 1:
-        inner_route(model).route = ("b1", "b0")
-    _steps(model, 1)  # shapes agree, nothing hangs ...
-    inner_route(model).route = ("b0", "b1")
-    _expect(
-        DivergenceError,
-        [
-            "in the last iteration",
-            "rank 0: all_gather of unit 'b0'",
-            "rank 1: all_gather of unit 'b1'",
-        ],
-        lambda: _steps(model, 1),
-    )
-    # 3. thorough: caught before the collective, at any iteration.
+
+
+BOUND_S = 15.0  # the error reaches every rank within this many seconds of the bad step
+
+
+def _skip_at(rank: int, world: int, bad_step: int, out_dir: str) -> None:
+    """Rank 1 leaves block 2 out at ``bad_step``: every rank raises DivergenceError naming
+    the units and ranks within BOUND_S; no rank hangs or dies in the backend."""
+    model = _chain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(bad_step + 1):
+        if step == bad_step and rank == 1:
+            model.module.skip = 2
+        start = time.monotonic()
+        try:
+            model(torch.randn(4, 8)).backward()
+        except DivergenceError as e:
+            assert step == bad_step, f"raised at step {step}: {e}"
+            elapsed = time.monotonic() - start
+            Path(out_dir, f"rank{rank}.txt").write_text(f"{elapsed:.2f}\n{e}")
+            return
+        opt.step()
+        opt.zero_grad()
+    raise AssertionError(f"rank {rank}: no DivergenceError after skipping a unit")
+
+
+@pytest.mark.parametrize("bad_step", [0, 2, 7])
+def test_a_rank_skipping_a_unit_raises_divergence_error_on_every_rank(bad_step: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_skip_at, 2, bad_step, tmp, timeout=60)
+        for rank in range(2):
+            elapsed, msg = Path(tmp, f"rank{rank}.txt").read_text().split("\n", 1)
+            assert float(elapsed) < BOUND_S, (rank, elapsed)
+            assert "rank 0: " in msg and "rank 1: " in msg, msg
+            assert "unit 'blocks." in msg, msg
+            assert f"of iteration {bad_step + 1}" in msg, msg
+
+
+def _divergence_modes(rank: int, world: int) -> None:
+    # Ranks feeding different-sized inputs issue the same collectives: no error, and the
+    # gradient is the mean of the ranks' own means, as on one process.
+    model = _chain()
+    ref = Chain()
+    ref.load_state_dict(model.state_dict())
+    torch.manual_seed(5)
+    batches = [torch.randn(n, 8) for n in (3, 7)]
+    rows = lambda step, r: 2 + (step + 2 * r) % 5  # noqa: E731 - differ across ranks
+    for step in range(4):
+        model(batches[rank][: rows(step, rank)]).backward()
+    total = sum(ref(b[: rows(s, r)]) for s in range(4) for r, b in enumerate(batches)) / 2
+    total.backward()
+    grads = full_grads(model)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    # Every rank takes the same different path (eval, a shorter pass): agreed, no error.
+    with torch.no_grad():
+        model(torch.randn(2, 8))
+    model.module.skip = 1
+    _steps(model, 2)
+    model.module.skip = None
+    _steps(model, 1)
+    # thorough: every collective compared before it is issued, also in the steady state.
     fsdp_lite.set_divergence_check("thorough")
-    model = _model()
-    _steps(model, 3)
     if rank == 1:
-        inner_route(model).route = ("b0",)
-    msg = _expect(
-        DivergenceError, ["about to issue different collectives"], lambda: _steps(model, 1)
+        model.module.skip = 3
+    _expect(
+        DivergenceError,
+        ["about to issue different collectives", "rank 1: "],
+        lambda: _steps(model, 1),
     )
-    # Which collective differs first depends on prefetching; each rank's is named.
-    assert "rank 0: " in msg and "rank 1: " in msg, msg
     fsdp_lite.set_divergence_check("cheap")
 
 
-def test_divergent_ranks_raise_on_every_rank() -> None:
-    run_distributed(_divergence, 2, timeout=120)
+def test_divergence_check_modes_and_agreed_paths() -> None:
+    run_distributed(_divergence_modes, 2, timeout=120)
 
 
 def _dies_mid_step(rank: int, world: int, out_dir: str) -> None:
