@@ -1,8 +1,12 @@
 # Developer and CI entry points. `make train` and `make test` create .venv on first use.
 #   make train [CONFIG=configs/gpu_small.yaml] [NPROC=2] [ARGS='--set train.steps=100']
+# Each `make train` is a new run named <config>-<date>-<time> (RUN), so running it again
+# never touches an earlier run's checkpoints/<RUN> or runs/<RUN>. Continue one with
+#   make train RUN=tiny-20261124-093000 ARGS=--resume   (ARGS=--overwrite: start it over)
 PYTHON ?= python3
 NPROC ?= 2
 CONFIG ?= configs/tiny.yaml
+RUN ?= $(basename $(notdir $(CONFIG)))-$(shell date +%Y%m%d-%H%M%S)
 ARGS ?=
 
 VENV := .venv
@@ -21,7 +25,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 train: venv
-	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train.py --config $(CONFIG) $(ARGS)
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train.py --config $(CONFIG) --set name=$(RUN) $(ARGS)
 
 test: venv
 	$(BIN)/python -m pytest -q tests

@@ -178,8 +178,19 @@ def world_size(group: ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
-def default_device(device: torch.device | str | int | None) -> torch.device:
-    """The compute device: the one given, else cuda:LOCAL_RANK if CUDA is available, else cpu."""
+def default_device(
+    device: torch.device | str | int | None, world_size: int | None = None
+) -> torch.device:
+    """The compute device of this rank.
+
+    The one given (``"cuda"`` without an index: the current CUDA device; an int n:
+    ``cuda:n``). Else, when CUDA is available: the current CUDA device when it is
+    unambiguous -- the user set one (torch cannot say whether ``torch.cuda.set_device``
+    was called, so a current device other than 0 counts as set), exactly one device is
+    visible, or ``world_size`` is 1 (default: the default process group's, 1 without
+    one) -- else ``cuda:LOCAL_RANK`` (torchrun), else ``RuntimeError``: guessing
+    ``cuda:0`` would put every rank of a node on one GPU. CPU without CUDA.
+    """
     if device is not None:
         device = (
             torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
@@ -187,9 +198,22 @@ def default_device(device: torch.device | str | int | None) -> torch.device:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    current, visible = torch.cuda.current_device(), torch.cuda.device_count()
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if current != 0 or visible == 1 or world_size == 1:
+        return torch.device("cuda", current)
+    if "LOCAL_RANK" in os.environ:
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    raise RuntimeError(
+        f"fsdp_lite cannot tell which GPU this rank should use: {visible} GPUs are visible, "
+        f"the world size is {world_size}, the current CUDA device is 0 (torch's default, "
+        "maybe never set) and LOCAL_RANK is not set (launched without torchrun, e.g. by "
+        "srun?). Call torch.cuda.set_device(local_rank) before wrapping (under srun "
+        "local_rank = int(os.environ['SLURM_LOCALID'])), or pass device= to FSDPModule."
+    )
 
 
 def synchronize(device: torch.device) -> None:

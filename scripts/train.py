@@ -1,13 +1,14 @@
 """Train a small character-level GPT (or a Hugging Face causal LM) with fsdp_lite.
 
     torchrun --standalone --nproc_per_node=2 scripts/train.py --config configs/tiny.yaml \\
-        [--set train.steps=100 fsdp.mixed_precision=bf16 ...] [--resume [PATH]]
+        [--set train.steps=100 fsdp.mixed_precision=bf16 ...] [--resume [PATH] | --overwrite]
 
 NCCL on cuda:LOCAL_RANK if CUDA is available, else gloo on CPU; one rank without torchrun.
 The pieces: ``train_config`` (keys, overrides, validation), ``train_data`` (corpus and
 batches), ``train_setup`` (process group, wrapped model, schedule), ``train_ckpt``
 (checkpoints and resume), ``train_log`` (progress, TensorBoard, summary). This file is
-the loop. Exit codes: 2 for a bad config, 1 when a peer rank died (torchrun
+the loop. Exit codes: 2 for a bad config or a fresh run where an earlier run of its name
+left checkpoints (``--resume`` or ``--overwrite``), 1 when a peer rank died (torchrun
 ``--max-restarts`` then restarts the job, which resumes from the latest checkpoint).
 """
 
@@ -114,23 +115,18 @@ def _crash_now(cfg: Config, step: int, d: Dist) -> bool:
 
 
 def _start(trainer: Trainer, cfg: Config, d: Dist) -> tuple[int, str]:
-    """Resume from a checkpoint, or clear a previous run's; returns (last step done, note)."""
+    """Resume from a checkpoint, if any; returns (last step done, note)."""
     source = train_ckpt.resume_source(cfg)
-    if source is not None:
-        step, local, note = train_ckpt.restore(source, trainer.model, trainer.opt, cfg, d)
-        trainer.load_local_state(local)
-        return step, note
-    removed = 0
-    root = train_ckpt.checkpoint_root(cfg)
-    if d.rank == 0 and cfg.checkpoint.every:
-        removed = train_ckpt.clear_checkpoints(root)
-    if d.world_size > 1:
-        dist.barrier()
-    note = f"; removed {removed} checkpoint(s) of an earlier run from {root}" if removed else ""
-    return 0, "starting fresh" + note
+    if source is None:
+        return 0, "starting fresh"
+    step, local, note = train_ckpt.restore(source, trainer.model, trainer.opt, cfg, d)
+    trainer.load_local_state(local)
+    return step, note
 
 
-def train(cfg: Config, data: Corpus, d: Dist, tokenizer: Any | None = None) -> None:
+def train(
+    cfg: Config, data: Corpus, d: Dist, tokenizer: Any | None = None, start_note: str = ""
+) -> None:
     trainer = Trainer(cfg, data, d)
     done, note = _start(trainer, cfg, d)
     t, every = cfg.train, cfg.checkpoint.every
@@ -141,7 +137,7 @@ def train(cfg: Config, data: Corpus, d: Dist, tokenizer: Any | None = None) -> N
         f"{cfg_tokens(cfg, d):,} tokens/step, {cfg.fsdp.mixed_precision}, "
         f"TensorBoard: {run_log.run_dir}" + (f", restart {attempt}" if attempt else "")
     )
-    run_log.note(note)
+    run_log.note(note + (f"; {start_note}" if start_note else ""))
     if done >= t.steps:
         run_log.note(f"nothing to do: the checkpoint is at step {done} of train.steps={t.steps}")
     results: list[StepMetrics] = []
@@ -191,13 +187,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="K=V",
         help="override config keys, e.g. --set train.steps=100 model.n_layer=2",
     )
-    parser.add_argument(
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument(
         "--resume",
         nargs="?",
         const="auto",
         default=None,
         metavar="PATH",
         help="continue from the latest complete checkpoint (or from PATH)",
+    )
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over: delete the checkpoints (and HF export) an earlier run of this name "
+        "left, the one way they are removed; without it a fresh run refuses to start there",
     )
     return parser.parse_args(argv)
 
@@ -209,14 +212,19 @@ def main(argv: list[str] | None = None) -> None:
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         cfg = load_config(args.config, overrides, world)
+        start_note = train_ckpt.prepare_start(cfg, args.overwrite, int(os.environ.get("RANK", 0)))
         data, tokenizer = _load_data(cfg, world)
         d = init_distributed(cfg.fsdp.timeout_s)
     except ConfigError as e:
         if rank0:
             print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    except train_ckpt.RunExistsError as e:
+        if rank0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     try:
-        train(cfg, data, d, tokenizer)
+        train(cfg, data, d, tokenizer, start_note)
     except fsdp_lite.CheckpointError as e:  # e.g. --resume from another model's checkpoint
         print(f"rank {d.rank}: checkpoint error: {e}", file=sys.stderr, flush=True)
         os._exit(2)

@@ -6,7 +6,9 @@ a save cut short leaves only ``step_<N>.tmp``). Besides the model and optimizer,
 ``extra`` holds the step and every rank's resumable state -- data position, loss scale,
 and the RNG states (torch CPU, CUDA when present, Python) -- so a resumed run draws the
 same batches and dropout masks as an uninterrupted one and its loss curve is the same
-(bitwise on CPU at the same world size).
+(bitwise on CPU at the same world size). A run never deletes a checkpoint it did not
+write: a fresh run refuses to start where an earlier run of its name left some, unless
+told to continue (``--resume``) or to start over (``--overwrite``); see ``prepare_start``.
 """
 
 from __future__ import annotations
@@ -62,16 +64,70 @@ def resume_source(cfg: Config) -> Path | None:
     return Path(mode)
 
 
-def clear_checkpoints(root: Path) -> int:
-    """A fresh run removes the checkpoints a previous run of the same name left, so that a
-    restart cannot resume from them. Returns how many it removed (rank 0 only)."""
-    removed = 0
-    if root.is_dir():
-        for entry in root.iterdir():
-            if _STEP_DIR.match(entry.name) and entry.is_dir():
-                shutil.rmtree(entry)
-                removed += 1
-    return removed
+class RunExistsError(RuntimeError):
+    """A fresh run found what an earlier run of its name left; the message says what to do."""
+
+
+_REFUSED = ".refused"  # a first attempt refused to start: its torchrun restarts refuse too
+_HF_EXPORT = "hf_final"  # train_hf.export_dir
+
+
+def earlier_outputs(root: Path) -> list[Path]:
+    """What runs of this name left under ``root``: checkpoints, complete or cut short, and
+    the HF export."""
+    if not root.is_dir():
+        return []
+    return sorted(e for e in root.iterdir() if _STEP_DIR.match(e.name) or e.name == _HF_EXPORT)
+
+
+def _continues(cfg: Config, root: Path) -> bool:
+    """Whether the run continues the checkpoints under ``root``: ``--resume`` (``auto``), or
+    resume from a checkpoint under it."""
+    mode = cfg.checkpoint.resume
+    return mode == "auto" or (mode != "never" and root.resolve() in Path(mode).resolve().parents)
+
+
+def _refusal(cfg: Config, root: Path, found: list[Path]) -> RunExistsError:
+    names = ", ".join(p.name for p in found[:4]) + (f", {len(found) - 4} more" if found[4:] else "")
+    return RunExistsError(
+        f"{root} holds what an earlier run named '{cfg.name}' left ({names}); a fresh run "
+        "neither deletes nor resumes checkpoints it did not write. Continue that run with "
+        f"--resume, start a new one under another name (--set name={cfg.name}-2), or start "
+        "over with --overwrite, which deletes them."
+    )
+
+
+def prepare_start(cfg: Config, overwrite: bool, rank: int) -> str:
+    """Every rank calls it first thing, before the model and the process group exist.
+
+    A run that does not continue its name's checkpoints (no ``--resume``) refuses to start,
+    raising :class:`RunExistsError`, where an earlier run of its name left checkpoints: it
+    would resume them on a torchrun restart and prune them as it saves. ``overwrite``
+    (``--overwrite``) is the one way to start over: rank 0 deletes them. A torchrun restart
+    deletes nothing (it resumes from this job's own checkpoints) and refuses again if the
+    first attempt refused, which leaves ``.refused`` under the root for it (torchrun
+    restarts a job whatever made it fail). Returns a note for the log."""
+    root = checkpoint_root(cfg)
+    found, marker = earlier_outputs(root), root / _REFUSED
+    if restart_count() > 0:
+        if marker.exists():
+            raise _refusal(cfg, root, found)
+        return ""
+    if found and not overwrite and not _continues(cfg, root):
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+            marker.touch()
+        raise _refusal(cfg, root, found)
+    if rank != 0:
+        return ""
+    marker.unlink(missing_ok=True)
+    if not overwrite or not found:
+        return ""
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return f"--overwrite: deleted {len(found)} checkpoint(s) of an earlier run from {root}"
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -105,8 +105,10 @@ class CheckpointConfig:
     keep: int = opt(2, "most recent checkpoints kept (0: all)")
     resume: str = opt(
         "never",
-        "`never`, `auto` (the latest complete checkpoint, if any) or a checkpoint path; "
-        "`--resume [PATH]` sets it; torchrun restarts always resume `auto`",
+        "`never` (a fresh run: refused where the checkpoint dir holds an earlier run's "
+        "checkpoints, which `--overwrite` deletes), `auto` (the latest complete checkpoint, if "
+        "any) or a checkpoint path; `--resume [PATH]` sets it; torchrun restarts always resume "
+        "`auto`",
     )
     export_hf: bool = opt(
         True,

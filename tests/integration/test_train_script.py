@@ -3,7 +3,9 @@ checks in-process.
 
 One uninterrupted run is the reference: a run resumed from its mid-run checkpoint, and
 a run whose rank 1 is SIGKILLed mid-step under ``torchrun --max-restarts=1``, must
-repeat its losses and end with bitwise the same parameters and optimizer state.
+repeat its losses and end with bitwise the same parameters and optimizer state. A fresh
+run never deletes (or resumes) an earlier run's checkpoints: it refuses, unless told
+``--resume`` or ``--overwrite``; ``make train`` names every run apart.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,9 +71,11 @@ def torchrun(
     restarts: int = 0,
     config: Path = CONFIG,
     base: tuple[str, ...] = tuple(TINY),
+    ok: bool = True,
 ) -> str:
     """Run the script on 2 ranks in ``cwd`` with ``config`` and the ``base`` overrides
-    (the tiny GPT's by default), then ``args``; return its output (raise if it failed)."""
+    (the tiny GPT's by default), then ``args``; return its output (raise if it failed, or
+    with ``ok=False`` if it did not)."""
     cmd = [
         str(Path(sys.executable).parent / "torchrun"),
         "--standalone",
@@ -89,7 +95,7 @@ def torchrun(
         cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=180, check=False
     )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}"
+    assert (proc.returncode == 0) == ok, f"{' '.join(cmd)} exit {proc.returncode}:\n{out[-6000:]}"
     return out
 
 
@@ -254,6 +260,108 @@ def test_hf_llama_trains_exports_and_continues_from_its_export(tmp_path: Path) -
     again = json.loads((tmp_path / "runs" / "again" / "summary.json").read_text())
     assert again["first_loss"] == pytest.approx(summary["last_loss"], abs=0.3), again
     assert (tmp_path / "checkpoints" / "again" / "hf_final" / "tokenizer.json").is_file()
+
+
+# -- a fresh run and an earlier run's checkpoints --------------------------------------
+
+SHORT = ("train.steps=4", "checkpoint.every=2")  # after TINY: checkpoints at steps 2 and 4
+
+
+def listing(root: Path) -> dict[str, int]:
+    """Every path under ``root`` with its modification time (ns)."""
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> Path:
+    """A finished run named ``run``: checkpoints/run/step_0000002 and step_0000004."""
+    cwd = tmp_path_factory.mktemp("first")
+    torchrun(cwd, "run", *SHORT)
+    return cwd
+
+
+def copy_of(first_run: Path, cwd: Path) -> Path:
+    shutil.copytree(first_run / "checkpoints", cwd / "checkpoints")
+    return cwd / "checkpoints" / "run"
+
+
+REFUSAL = (
+    "error: checkpoints/run holds what an earlier run named 'run' left (step_0000002, "
+    "step_0000004); a fresh run neither deletes nor resumes checkpoints it did not write. "
+    "Continue that run with --resume, start a new one under another name (--set "
+    "name=run-2), or start over with --overwrite, which deletes them."
+)
+
+
+def test_second_fresh_run_of_a_name_refuses_and_leaves_the_first_runs_files(
+    first_run: Path, tmp_path: Path
+) -> None:
+    root = copy_of(first_run, tmp_path)
+    before = listing(root)
+    out = torchrun(tmp_path, "run", *SHORT, ok=False)
+    assert out.count(REFUSAL) == 1, out
+    assert listing(root) == before
+    assert not (tmp_path / "runs").exists()  # refused before building anything
+
+
+def test_restarts_of_a_refused_run_refuse_too(first_run: Path, tmp_path: Path) -> None:
+    """torchrun restarts a job whatever failed; a restart must not resume the earlier run."""
+    root = copy_of(first_run, tmp_path)
+    before = listing(root)
+    out = torchrun(tmp_path, "run", *SHORT, restarts=1, ok=False)
+    assert out.count(REFUSAL) == 2, out  # the first attempt and its restart
+    assert "resumed from" not in out, out
+    after = listing(root)
+    assert after.pop(".refused") and after == before
+
+
+def test_overwrite_deletes_the_earlier_run_and_starts_over(first_run: Path, tmp_path: Path) -> None:
+    root = copy_of(first_run, tmp_path)
+    out = torchrun(tmp_path, "run", "train.steps=2", "checkpoint.every=2", "--overwrite")
+    assert "--overwrite: deleted 2 checkpoint(s) of an earlier run from checkpoints/run" in out
+    assert "starting fresh" in out, out
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000002"]
+    assert (root / "step_0000002" / ".metadata").stat().st_mtime_ns > max(
+        listing(first_run / "checkpoints").values()
+    )
+
+
+def test_resume_continues_the_earlier_run(first_run: Path, tmp_path: Path) -> None:
+    root = copy_of(first_run, tmp_path)
+    out = torchrun(tmp_path, "run", "train.steps=6", "checkpoint.every=2", "--resume")
+    assert "resumed from checkpoints/run/step_0000004 at step 4" in out, out
+    assert sorted(p.name for p in root.iterdir()) == [f"step_{s:07d}" for s in (2, 4, 6)]
+
+
+def make_train_argv(*make_args: str) -> list[str]:
+    """The command ``make train`` runs (dry run, the venv taken as built)."""
+    proc = subprocess.run(
+        ["make", "-s", "-n", "-o", "venv", "train", *make_args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return shlex.split(proc.stdout)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_train_twice_gives_two_runs_side_by_side(tmp_path: Path) -> None:
+    """Each ``make train`` is a new run, <config stem>-<date>-<time>: a second one in a
+    row trains beside the first and deletes nothing."""
+    names = []
+    for _ in range(2):
+        argv = make_train_argv()
+        assert argv[argv.index("--config") + 1] == "configs/tiny.yaml" and "--overwrite" not in argv
+        names.append(argv[argv.index("--set") + 1].removeprefix("name="))
+        time.sleep(1.1)  # the name has a one-second resolution
+    assert all(re.fullmatch(r"tiny-\d{8}-\d{6}", n) for n in names) and names[0] != names[1]
+    llama = make_train_argv("CONFIG=configs/tiny_llama.yaml")
+    assert re.fullmatch(r"name=tiny_llama-\d{8}-\d{6}", llama[llama.index("--set") + 1])
+    for name in names:
+        torchrun(tmp_path, name, "train.steps=2", "checkpoint.every=2")
+    for name in names:
+        assert (tmp_path / "checkpoints" / name / "step_0000002" / ".metadata").is_file()
 
 
 # -- config validation, in-process ---------------------------------------------------
