@@ -15,6 +15,7 @@ from fsdp_lite.collectives import (
     set_divergence_check,
 )
 from fsdp_lite.fsdp import FSDPModule
+from fsdp_lite.grad_scaler import ShardedGradScaler
 from fsdp_lite.hf_checkpoint import load_pretrained, save_pretrained
 from fsdp_lite.offload import CPUOffload, SSDOffload, offload_optimizer_state
 from fsdp_lite.offload_model import OffloadModel
@@ -36,6 +37,7 @@ __all__ = [
     "MixedPrecision",
     "OffloadModel",
     "PrefetchPolicy",
+    "ShardedGradScaler",
     "TrainingState",
     "apply_activation_checkpointing",
     "checkpoint_wrapper",

@@ -69,6 +69,7 @@ class FlatParam:
             shard = _build_shard(self, originals, sync, device)
         # The master copy: the only tensor an optimizer sees.  shape: (shard_numel,)
         self.shard = nn.Parameter(shard, requires_grad=self.requires_grad)
+        self.shard._fsdp_lite_world = self.world_size  # ranks it is a slice of (grad_scaler.py)
         # Where the shard and its grad live between uses (device, CPU or files).
         self.home = home
         self.device = device  # the compute device

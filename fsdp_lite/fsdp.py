@@ -18,6 +18,7 @@ from torch import nn
 from fsdp_lite import collectives, deferred_init, runtime
 from fsdp_lite import state_dict as _state_dict
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
+from fsdp_lite.grad_scaler import install_stock_scaler_check
 from fsdp_lite.grads import nonfinite_units, total_norm
 from fsdp_lite.offload import CPUOffload, DeviceHome, SSDOffload
 from fsdp_lite.state import TrainingState, check_state
@@ -101,6 +102,7 @@ class FSDPModule(nn.Module):
         check_wrappable(module, mixed_precision, prefetch, offload)
         collectives.require_initialized()
         super().__init__()
+        install_stock_scaler_check()  # warns if a stock GradScaler steps multi-rank shards
         self.module = module
         # Parameters are sharded over process_group; with hybrid sharding the shard grads
         # are then averaged over replicate_group (None otherwise).

@@ -40,7 +40,6 @@ from train_log import (
 )
 from train_setup import (
     Dist,
-    LossScaler,
     build_model,
     build_optimizer,
     init_distributed,
@@ -59,7 +58,13 @@ class Trainer:
         self.cfg, self.d, self.hf = cfg, d, cfg.model.hf is not None
         self.model, self.n_params = build_model(cfg, data.vocab_size, d)
         self.opt = build_optimizer(cfg, self.model)
-        self.scaler = LossScaler(enabled=cfg.fsdp.mixed_precision == "fp16")
+        # fp16: dynamic loss scaling whose ranks agree on overflow (a no-op otherwise).
+        self.scaler = fsdp_lite.ShardedGradScaler(
+            d.device.type,
+            init_scale=2.0**12,
+            growth_interval=200,
+            enabled=cfg.fsdp.mixed_precision == "fp16",
+        )
         t = cfg.train
         self.batches = Batches(
             data, cfg.model.block_size, t.batch_size, d.rank, d.world_size, t.seed
@@ -71,7 +76,8 @@ class Trainer:
 
     def load_local_state(self, state: dict) -> None:
         self.batches.load_state_dict(state["data"])
-        self.scaler.load_state_dict(state["scaler"])
+        if state["scaler"]:  # empty when saved without fp16: start from init_scale
+            self.scaler.load_state_dict(state["scaler"])
 
     def step(self, lr: float, crash: bool) -> StepMetrics:
         """Forward and backward over ``grad_accum`` micro-batches (all but the last under
@@ -88,16 +94,16 @@ class Trainer:
             last = micro == t.grad_accum - 1
             with contextlib.nullcontext() if last else model.no_sync():
                 loss = lm_loss(model, x, y, self.hf)
-                (loss * (self.scaler.scale / t.grad_accum)).backward()
+                self.scaler.scale(loss * (1.0 / t.grad_accum)).backward()
             loss_sum += loss.detach().double()
         if crash:
             os.kill(os.getpid(), signal.SIGKILL)  # like the OOM killer: no cleanup at all
-        self.scaler.unscale_(model.parameters())
+        self.scaler.unscale_(self.opt)
         norm = model.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else math.inf)
-        finite = bool(torch.isfinite(norm))
+        finite = bool(torch.isfinite(norm))  # the global norm: every rank agrees
         if finite:
-            self.opt.step()
-        self.scaler.update(overflow=not finite)
+            self.scaler.step(self.opt)
+        self.scaler.update()  # fp16: backs off if any rank found an inf/nan
         self.opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
         stats = fsdp_lite.stats()  # read before our own all-gather below
@@ -146,7 +152,8 @@ def train(
         lr = lr_at(step - 1, t)
         r = trainer.step(lr, crash=_crash_now(cfg, step, d))
         results.append(r)
-        run_log.step(step, r, lr, trainer.scaler.scale if trainer.scaler.enabled else None)
+        scale = trainer.scaler.get_scale() if trainer.scaler.is_enabled() else None
+        run_log.step(step, r, lr, scale)
         if every and (step % every == 0 or step == t.steps):
             path = train_ckpt.save(cfg, step, trainer.model, trainer.opt, trainer.local_state(), d)
             run_log.note(f"step {step:5d}/{t.steps} | checkpoint {path}")

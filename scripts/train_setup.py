@@ -13,7 +13,6 @@ import math
 import os
 import sys
 import tempfile
-import typing
 from dataclasses import dataclass
 
 import torch
@@ -204,36 +203,3 @@ def lr_at(step: int, t: TrainConfig) -> float:
         return t.lr * (step + 1) / t.warmup_steps
     progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
-
-
-class LossScaler:
-    """Dynamic fp16 loss scaling over sharded grads (a no-op unless ``enabled``).
-
-    Overflow is read from the total grad norm, which ``clip_grad_norm_`` all-reduces, so
-    every rank skips the same steps. The scale halves on overflow and doubles after
-    ``growth_interval`` clean steps.
-    """
-
-    def __init__(self, enabled: bool, scale: float = 2.0**12, growth_interval: int = 200) -> None:
-        self.enabled = enabled
-        self.scale = scale if enabled else 1.0
-        self.growth_interval = growth_interval
-        self._clean_steps = 0  # finite steps since the last overflow
-
-    def unscale_(self, params: typing.Iterable[torch.nn.Parameter]) -> None:
-        for p in params:
-            if self.enabled and p.grad is not None:
-                p.grad.mul_(1.0 / self.scale)
-
-    def update(self, overflow: bool) -> None:
-        self._clean_steps = 0 if overflow else self._clean_steps + 1
-        if self.enabled and overflow:
-            self.scale = max(self.scale / 2.0, 1.0)
-        elif self.enabled and self._clean_steps % self.growth_interval == 0:
-            self.scale *= 2.0
-
-    def state_dict(self) -> dict[str, float]:
-        return {"scale": self.scale, "clean_steps": self._clean_steps}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.scale, self._clean_steps = state["scale"], int(state["clean_steps"])
