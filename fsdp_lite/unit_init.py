@@ -115,6 +115,7 @@ def _make_flat(unit: Unit, members: list, compute_dtype: torch.dtype, sync: bool
             sub.__dict__["_fsdp_lite_sharded_by"] = weakref.ref(unit)
     for slot, p in members:
         _forget_original(p, slot.name)
+    flat.shard.__dict__[_RANKS_ATTR] = flat.world_size * flat.replicas  # its grad averages over
     flat.use_placeholders()
     return flat
 
@@ -267,6 +268,7 @@ def install_fp32_modules(module: nn.Module, mp: MixedPrecision | None) -> None:
 
 _FLATTENED: dict[int, tuple[weakref.ref, str]] = {}  # id(original) -> (ref, name)
 _CHECKED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
+_RANKS_ATTR = "_fsdp_lite_ranks"
 _hook_installed = False
 
 
@@ -282,15 +284,29 @@ def _forget_original(p: nn.Parameter, name: str) -> None:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    """Before an optimizer's first step: refuse originals that were flattened, and plain
+    trainable parameters beside shards of a multi-rank unit (only blocks were wrapped):
+    nothing averages their gradients, so the ranks would silently drift apart."""
     if optimizer in _CHECKED_OPTIMIZERS:
         return
     _CHECKED_OPTIMIZERS.add(optimizer)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            entry = _FLATTENED.get(id(p))
-            if entry is not None and entry[0]() is p:
-                raise RuntimeError(
-                    f"this {type(optimizer).__name__} holds '{entry[1]}', an original parameter "
-                    "that fsdp_lite.FSDPModule flattened into a shard: it would step a tensor "
-                    "nothing uses. Build the optimizer after wrapping, from model.parameters()"
-                )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        entry = _FLATTENED.get(id(p))
+        if entry is not None and entry[0]() is p:
+            raise RuntimeError(
+                f"this {type(optimizer).__name__} holds '{entry[1]}', an original parameter "
+                "that fsdp_lite.FSDPModule flattened into a shard: it would step a tensor "
+                "nothing uses. Build the optimizer after wrapping, from model.parameters()"
+            )
+    ranks = max((p.__dict__.get(_RANKS_ATTR, 1) for p in params), default=1)
+    loose = [p for p in params if p.requires_grad and _RANKS_ATTR not in p.__dict__]
+    if ranks > 1 and loose:
+        shapes = ", ".join(str(tuple(p.shape)) for p in loose[:4])
+        raise RuntimeError(
+            f"this {type(optimizer).__name__} holds {len(loose)} trainable parameter(s) of no "
+            f"fsdp_lite unit (shapes {shapes}{', ...' if len(loose) > 4 else ''}) beside "
+            f"shards averaged over {ranks} ranks: nothing averages those parameters' "
+            "gradients, so the ranks would silently diverge. Wrap the whole model -- "
+            "FSDPModule(model, auto_wrap_policy=...) still makes each block its own unit"
+        )

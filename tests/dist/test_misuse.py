@@ -1,0 +1,136 @@
+"""Misuse that used to train silently wrong raises a named error before anything is lost
+(W=2, gloo): only the blocks wrapped (several roots, parameters outside every unit),
+hybrid replicas initialized differently, and a local error inside a collective call
+(reported as itself, not as a dead peer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp_lite
+from fsdp_lite import collectives
+from fsdp_lite.testing import run_distributed
+from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x).square().mean()
+
+
+def _net_blocks_wrapped() -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    for i, block in enumerate(net.blocks):
+        net.blocks[i] = fsdp_lite.FSDPModule(block)
+    return net
+
+
+def _only_blocks_wrapped() -> None:
+    net = _net_blocks_wrapped()
+    before = {k: v.clone() for k, v in net.embed.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"runs as a root inside Net, whose trainable "
+                       r"parameters embed\.weight, embed\.bias, head\.weight and 1 more.*"
+                       r"2 ranks.*Wrap the whole model"):  # fmt: skip
+        net(torch.randn(4, 8))
+    assert all(torch.equal(v, net.embed.state_dict()[k]) for k, v in before.items())
+
+
+def _blocks_called_from_a_loop() -> None:
+    """No enclosing module: the optimizer's first step refuses the plain parameters."""
+    net = _net_blocks_wrapped()
+    x = net.embed(torch.randn(4, 8))
+    for block in net.blocks:
+        x = block(x)
+    net.head(x).sum().backward()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    before = net.head.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"4 trainable parameter\(s\) of no fsdp_lite unit.*"
+                       r"averaged over 2 ranks.*Wrap the whole model"):  # fmt: skip
+        opt.step()
+    assert torch.equal(before, net.head.weight)
+
+
+def _legitimate_roots() -> None:
+    """Two whole models, each wrapped (a GAN's generator and critic), in one step; and
+    blocks wrapped inside a module whose own parameters are frozen: no error."""
+    torch.manual_seed(0)
+    gen = fsdp_lite.FSDPModule(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)))
+    critic = fsdp_lite.FSDPModule(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD([*gen.parameters(), *critic.parameters()], lr=0.1)
+    critic(gen(torch.randn(4, 4))).mean().backward()
+    opt.step()
+    net = _net_blocks_wrapped()
+    for module in (net.embed, net.head):
+        module.requires_grad_(False)
+    net(torch.randn(4, 8)).backward()
+    torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1).step()
+
+
+def _hybrid_replicas_differ() -> None:
+    shard, replicate = fsdp_lite.hybrid_groups(1)  # W=2: each rank a replica of the other
+    torch.manual_seed(dist.get_rank())  # a different init on each replica
+    with pytest.raises(ValueError, match="replicas of unit .* hold different values.*"
+                       "sync_module_states=True"):  # fmt: skip
+        fsdp_lite.FSDPModule(Net(), process_group=(shard, replicate))
+    torch.manual_seed(dist.get_rank())
+    synced = fsdp_lite.FSDPModule(Net(), process_group=(shard, replicate), sync_module_states=True)
+    torch.manual_seed(0)
+    same = fsdp_lite.FSDPModule(Net(), process_group=(shard, replicate))
+    assert synced.state_dict().keys() == same.state_dict().keys()
+
+
+def _local_error_is_not_a_peer_error() -> None:
+    """A collective refused locally (wrong output size) is raised as itself: a PeerError
+    would tell torchrun's user to look for a dead rank and restart in a loop."""
+    group = dist.group.WORLD
+    with pytest.raises(Exception) as info:  # noqa: PT011 - any error but PeerError
+        collectives.all_gather_flat(torch.empty(5), torch.ones(2), group)
+    assert not isinstance(info.value, collectives.PeerError), info.value
+    with pytest.raises(Exception) as info:  # noqa: PT011
+        collectives.reduce_scatter_flat(torch.empty(3), torch.ones(4), group).wait()
+    assert not isinstance(info.value, collectives.PeerError), info.value
+    dist.barrier()
+
+
+def _cases(rank: int, world: int) -> dict:
+    return run_subtests(
+        [
+            ("only the blocks wrapped: refused at the first forward", _only_blocks_wrapped),
+            ("blocks called from a loop: refused at the first step", _blocks_called_from_a_loop),
+            ("several whole-model roots, frozen outer params: allowed", _legitimate_roots),
+            ("hybrid replicas initialized differently: refused", _hybrid_replicas_differ),
+            ("a local error in a collective is not a PeerError", _local_error_is_not_a_peer_error),
+        ]
+    )
+
+
+def test_misuse_raises_named_errors() -> None:
+    assert_subtests_passed(run_distributed(_cases, 2, timeout=120))
+
+
+class _NcclLike:
+    """A process group whose backend takes CUDA tensors only (as NCCL's)."""
+
+    _device_types = [torch.device("cuda")]
+
+
+def test_collectives_run_on_the_process_groups_device(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    nccl = _NcclLike()
+    assert collectives.comm_device(nccl, torch.device("cpu")) == torch.device("cuda", 3)
+    assert collectives.comm_device(nccl, torch.device("cuda", 1)) == torch.device("cuda", 1)
+    gloo = type("GlooLike", (), {"_device_types": [torch.device("cpu")]})()
+    assert collectives.comm_device(gloo, torch.device("cpu")) == torch.device("cpu")
