@@ -29,11 +29,32 @@ class Tolerance:
     param_atol: float | None = None  # max |p_fsdp - p_ref| (fp32)
     update_rtol: float | None = None  # ||Δ_fsdp - Δ_ref|| / ||Δ_ref|| (mixed precision)
     grad_rtol: float = 1e-4  # per parameter ||g_fsdp - g_ref|| / ||g_ref||
+    norm_rtol: float = 1e-4  # clip_grad_norm_'s total norm
 
 
+# [Note: tolerances are measured, not guessed]
+# Each figure is a margin of 2.5-4x over the worst error the *correct* code showed
+# (measured 2026-11-25 over every compare_training run of test_equivalence, test_features,
+# test_checkpointing, test_offload, test_prefetch, test_deferred_init, test_hybrid,
+# test_hf_models and test_randomized, W = 1-4). A tolerance must stay below the errors
+# the bugs it guards against make: test_mutations proves that a divisor of W+1 at W=3
+# (a gradient error of 0.25), a dropped or missing division and a lost gradient fail.
+# A test whose reference rounds differently (a convolution net against an fp32
+# reference) takes its own, explicit tolerance; never loosen these for one test.
 FP32 = Tolerance(loss_rtol=1e-5, param_atol=1e-5, grad_rtol=1e-4)
-BF16 = Tolerance(loss_rtol=3e-2, update_rtol=0.2, grad_rtol=0.35)
-FP16 = Tolerance(loss_rtol=1e-2, update_rtol=0.1, grad_rtol=0.25)
+# Mixed precision against a reference that computes in fp32 (the GPT-like models of
+# cases.py and hf_cases.py). Worst measured, bf16: grad 0.0308 (clip, W=3), update
+# 0.0319 (hybrid W=4), loss 7.43e-5 (HF llama), clip norm 1.14e-3; fp16: grad 0.0106,
+# update 0.0094, loss 2.12e-5 (GPT, W=2-3); no fp16 test clips (norm_rtol as before).
+BF16 = Tolerance(loss_rtol=2e-4, update_rtol=0.08, grad_rtol=0.08, norm_rtol=3e-3)
+FP16 = Tolerance(loss_rtol=6e-5, update_rtol=0.03, grad_rtol=0.03, norm_rtol=1e-2)
+# Mixed precision against a reference that rounds where fsdp_lite does (it computes in
+# param_dtype and averages each rank's rounded gradient in fp32: random_models'
+# build_reference). Worst measured over 425 random cases, bf16: grad 0.0050, update
+# 1.5e-4, loss 1.41e-7; fp16: grad 3.8e-4, update 7.7e-5, loss 1.41e-7; nothing clips
+# (norm_rtol: a norm errs by at most the gradients' error).
+BF16_ROUNDED = Tolerance(loss_rtol=5e-7, update_rtol=5e-4, grad_rtol=0.015, norm_rtol=0.015)
+FP16_ROUNDED = Tolerance(loss_rtol=5e-7, update_rtol=3e-4, grad_rtol=1.5e-3, norm_rtol=1.5e-3)
 
 
 @dataclass
@@ -53,6 +74,8 @@ class Run:
     # state, so dropout masks agree (implies split_reference).
     replay_rng: bool = False
     accumulate: int = 1  # micro-batches per step; all but the last under no_sync
+    # False: every micro-batch reduce-scatters, so shard grads accumulate across backwards.
+    no_sync: bool = True
     clip: float | None = None
     clip_norm_type: float = 2.0
     # Called with (wrapped, reference) once both exist, before the first training step:
@@ -110,7 +133,7 @@ def compare_training(run: Run) -> None:
             loss.backward()
             ref_loss += loss.item()
             local = _slice(micro, rank, world)
-            sync = m == run.accumulate - 1
+            sync = m == run.accumulate - 1 or not run.no_sync
             ctx = model.no_sync() if not sync else _nullcontext()
             with ctx:
                 loss = run.loss(model, local) / run.accumulate
@@ -127,7 +150,7 @@ def compare_training(run: Run) -> None:
                 f"step {step} grad norm",
                 norm.item(),
                 ref_norm.item(),
-                max(1e-4, run.tol.loss_rtol),
+                run.tol.norm_rtol,
             )
         _check_grads(run, model, ref, step)
         ref_opt.step()

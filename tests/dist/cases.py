@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import fsdp_lite
 from fsdp_lite.testing import GPT, ConvNet, GPTConfig
 from fsdp_lite.testing.models import Block
-from fsdp_lite.testing.reference import BF16, FP16, FP32, Run
+from fsdp_lite.testing.reference import BF16, FP16, FP32, Run, Tolerance
 
 B_PER_RANK = 2
 SEQ = 16
@@ -19,6 +19,18 @@ PRECISIONS = {
     "fp32": (None, FP32),
     "bf16": (fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16), BF16),
     "fp16": (fsdp_lite.MixedPrecision(param_dtype=torch.float16), FP16),
+}
+
+
+# The ConvNet against its fp32 reference rounds far more than the GPT (BatchNorm over
+# 4 samples per rank divides by a variance computed in low precision): measured worst,
+# bf16: grad 0.191 (W=1), update 0.100, loss 3.24e-4; fp16: grad 0.133, update 0.0158,
+# loss 5.28e-5. So its mixed-precision runs cannot see a gradient scale error below
+# ~0.4; the GPT runs beside them in every matrix can (see test_mutations).
+CONVNET_TOL = {
+    "fp32": FP32,
+    "bf16": Tolerance(loss_rtol=1e-3, update_rtol=0.25, grad_rtol=0.4),
+    "fp16": Tolerance(loss_rtol=2e-4, update_rtol=0.05, grad_rtol=0.3),
 }
 
 
@@ -58,9 +70,7 @@ def wrap_stages(module, **kwargs) -> fsdp_lite.FSDPModule:
     return fsdp_lite.FSDPModule(module, auto_wrap_policy=policy, **kwargs)
 
 
-def gpt_run(
-    name: str, world: int, precision: str = "fp32", raf: bool | None = None, **kw
-) -> Run:
+def gpt_run(name: str, world: int, precision: str = "fp32", raf: bool | None = None, **kw) -> Run:
     mp, tol = PRECISIONS[precision]
     return Run(
         name=f"{name} W={world} {precision} raf={raf}",
@@ -77,7 +87,7 @@ def gpt_run(
 
 
 def convnet_run(world: int, precision: str = "fp32", raf: bool | None = None, **kw) -> Run:
-    mp, tol = PRECISIONS[precision]
+    mp, tol = PRECISIONS[precision][0], CONVNET_TOL[precision]
     return Run(
         name=f"convnet W={world} {precision} raf={raf}",
         make_model=ConvNet,
