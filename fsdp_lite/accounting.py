@@ -102,8 +102,9 @@ def stats() -> dict[str, Any]:
     - ``collectives``: per op, calls, bytes (the full buffer each call spans; a ring
       sends (W-1)/W of it) and dtypes. World size 1 communicates nothing. Ops:
       ``all_gather``, ``reduce_scatter``, ``replicate_all_reduce`` (hybrid sharding),
-      ``all_reduce`` (e.g. ``clip_grad_norm_``), ``divergence_check`` (16 bytes per
-      iteration; see ``set_divergence_check``).
+      ``all_reduce`` (e.g. ``clip_grad_norm_``), ``divergence_check`` (a 3-int
+      all-gather per collective in the first iteration of each root and after a
+      deviation; none in the steady state; see ``set_divergence_check``).
     - ``units``: the same per unit (by module path), plus ``exposed_s``.
     - ``exposed_s``: seconds this rank waited on communication that compute had not
       hidden (CPU blocking time; on CUDA the compute stream's stall).

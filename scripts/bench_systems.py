@@ -29,7 +29,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import fsdp_lite
 from fsdp_lite.testing.models import GPT, Block, GPTConfig
 
-SYSTEMS = ("fsdp_lite", "fsdp2", "fsdp1", "ddp")
+SYSTEMS = ("fsdp_lite", "fsdp_lite-nocheck", "fsdp2", "fsdp1", "ddp")
+# fsdp_lite-nocheck: fsdp_lite with its divergence check off, to price the check.
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -71,7 +72,7 @@ def build_system(system: str, precision: str, cfg: BenchConfig, device: torch.de
     """The GPT (seeded identically on every rank and system), wrapped by ``system``, its
     blocks activation-checkpointed (non-reentrant) if ``cfg.checkpoint``."""
     model = _wrap(system, precision, cfg, device)
-    if cfg.checkpoint and system == "fsdp_lite":  # ckpt(unit(block))
+    if cfg.checkpoint and system.startswith("fsdp_lite"):  # ckpt(unit(block))
         fsdp_lite.apply_activation_checkpointing(
             model, lambda m: isinstance(m, fsdp_lite.FSDPModule) and m is not model
         )
@@ -100,7 +101,8 @@ def _wrap(system: str, precision: str, cfg: BenchConfig, device: torch.device) -
         _checkpoint_blocks(model)
     bf16 = precision == "bf16"
     world = dist.get_world_size()
-    if system == "fsdp_lite":
+    if system.startswith("fsdp_lite"):
+        fsdp_lite.set_divergence_check("off" if system.endswith("nocheck") else "cheap")
         mp = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return fsdp_lite.FSDPModule(
             model,
@@ -249,7 +251,7 @@ class LibraryAccounting:
         self.reset: Callable[[], Any] | None = None
         self.steps: list[Any] = []
         pairs = [("stats", "reset_stats"), ("comm_stats", "reset_comm_stats")]
-        for read, reset in pairs if system == "fsdp_lite" else []:
+        for read, reset in pairs if system.startswith("fsdp_lite") else []:
             fns = getattr(fsdp_lite, read, None), getattr(fsdp_lite, reset, None)
             if all(callable(fn) for fn in fns):
                 self.api, (self.read, self.reset) = read, fns
