@@ -26,7 +26,6 @@ from fsdp_lite.tree import UNIT_ATTR, units_of
 from fsdp_lite.unit import Unit
 from fsdp_lite.unit_init import (
     build_flat_params,
-    check_replicas_agree,
     check_wrappable,
     install_fp32_modules,
     prepare_buffers,
@@ -139,8 +138,7 @@ class FSDPModule(nn.Module):
             )
             apply_policy(module, auto_wrap_policy, make_unit)
         unit.own(build_flat_params(unit, module, _defer_params, sync_module_states, _init_plan))
-        if not sync_module_states:
-            check_replicas_agree(unit)
+        unit.replicas_synced = sync_module_states
         for i, flat in enumerate(unit.flat_params):
             self.register_parameter(f"flat_param_{i}", flat.shard)
         prepare_buffers(unit, module, sync_module_states)

@@ -57,6 +57,7 @@ from fsdp_lite.tree import (
     unsharded_trainable,
     unwrap,
 )
+from fsdp_lite.unit_init import check_replicas_agree
 
 _BACKWARD_STATES = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
@@ -94,6 +95,7 @@ class Unit:
         self.watches: weakref.WeakSet = weakref.WeakSet()  # forward calls awaiting input grads
         self.grads_pending: set[int] = set()  # id of trainable flats not reduced this backward
         self.enclosure_checked = False  # see _check_enclosing_modules
+        self.replicas_synced = False  # hybrid: sync_module_states broadcast rank 0's values
 
     def own(self, flats: list[FlatParam]) -> None:
         """Take ``flats`` and hook each full gradient to this unit's post-backward."""
@@ -218,6 +220,7 @@ class Unit:
                 flat.unit_name, flat.unit_key = unit.name, id(unit)
         for unit in units:
             unit.frozen_early = _frees_frozen_early(unit, units)
+            check_replicas_agree(unit)
 
     # -- gather and free -------------------------------------------------------------
 

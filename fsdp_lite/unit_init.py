@@ -168,10 +168,13 @@ def build_flat_params(
 
 def check_replicas_agree(unit: Unit) -> None:
     """Hybrid sharding without ``sync_module_states``: the ranks of a replicate group hold
-    the same slice, so they must start from the same values. Compare a fingerprint of
-    every shard across the replicate group (one small all-reduce; wrap time only)."""
+    the same slice, so they must start from the same values. At the first forward (a load
+    after wrapping is a legitimate way to make them agree), compare a fingerprint of every
+    shard across the replicate group: one small all-reduce per unit, once."""
     group = unit.replicate_group
-    if group is None or collectives.world_size(group) == 1 or not unit.flat_params:
+    if unit.replicas_synced or group is None or collectives.world_size(group) == 1:
+        return
+    if not unit.flat_params:
         return
     device = collectives.comm_device(group, unit.device)
     prints = []
@@ -184,11 +187,12 @@ def check_replicas_agree(unit: Unit) -> None:
     half = len(prints)
     if not torch.equal(both[:half], -both[half:]):
         raise ValueError(
-            f"fsdp_lite: hybrid sharding: the replicas of unit '{unit.name}' hold different "
-            "values for the same slice of its parameters (each replica initialized the model "
-            "from its own random state), so they would never agree. Pass "
-            "sync_module_states=True to FSDPModule (rank 0's values are broadcast at wrap "
-            "time), or seed every rank the same before building the model"
+            f"fsdp_lite: hybrid sharding: at the first forward the replicas of unit "
+            f"'{unit.name}' hold different values for the same slice of its parameters (each "
+            "replica initialized the model from its own random state, and nothing was loaded "
+            "since), so they would never agree. Pass sync_module_states=True to FSDPModule "
+            "(rank 0's values are broadcast at wrap time), seed every rank the same before "
+            "building the model, or load a checkpoint before training"
         )
 
 

@@ -83,6 +83,9 @@ class Run:
     before_training: Callable[[nn.Module, nn.Module], None] | None = None
     between_steps: Callable[[nn.Module, nn.Module, int], None] | None = None
     compare_buffers: bool = True
+    # fp16 loss scaling: fsdp_lite.ShardedGradScaler beside torch.amp.GradScaler on the
+    # reference; the same steps must be skipped and the scales stay equal.
+    scaler: bool = False
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -122,6 +125,7 @@ def compare_training(run: Run) -> None:
     # by Adam into lr-sized steps that differ between any two summation orders.
     ref_opt = torch.optim.AdamW(_trainable(ref), lr=run.lr, weight_decay=0.1, eps=1e-6)
     opt = torch.optim.AdamW(_trainable(model), lr=run.lr, weight_decay=0.1, eps=1e-6)
+    scalers = _Scalers(run.scaler, opt, ref_opt)
     if run.before_training is not None:
         run.before_training(model, ref)
     for step in range(run.steps):
@@ -130,16 +134,18 @@ def compare_training(run: Run) -> None:
         for m in range(run.accumulate):
             micro = _slice(batch, m, run.accumulate)
             loss = _reference_step(run, ref, micro, world) / run.accumulate
-            loss.backward()
+            scalers.backward(loss, reference=True)
             ref_loss += loss.item()
             local = _slice(micro, rank, world)
             sync = m == run.accumulate - 1 or not run.no_sync
             ctx = model.no_sync() if not sync else _nullcontext()
             with ctx:
                 loss = run.loss(model, local) / run.accumulate
-                loss.backward()
+                scalers.backward(loss, reference=False)
             fsdp_loss += _mean_over_ranks(loss)
         _check_close(run, f"step {step} loss", fsdp_loss, ref_loss, run.tol.loss_rtol)
+        if not scalers.unscale(run, step):
+            continue  # both skip this step (an overflow), both lower the scale
         if run.clip is not None:
             ref_norm = torch.nn.utils.clip_grad_norm_(
                 ref.parameters(), run.clip, run.clip_norm_type
@@ -153,13 +159,63 @@ def compare_training(run: Run) -> None:
                 run.tol.norm_rtol,
             )
         _check_grads(run, model, ref, step)
-        ref_opt.step()
-        opt.step()
+        scalers.step()
         ref_opt.zero_grad()
         opt.zero_grad()
         if run.between_steps is not None:
             run.between_steps(model, ref, step)
     _check_params(run, model, ref, initial, world)
+
+
+class _Scalers:
+    """The step's optimizers, with or without loss scaling on both sides."""
+
+    def __init__(self, on: bool, opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer):
+        from fsdp_lite.grad_scaler import ShardedGradScaler
+
+        self.opt, self.ref_opt = opt, ref_opt
+        # 2**16 overflows fp16 gradients in the first steps; growth every 2 steps: both
+        # skipping and growing happen within a short run.
+        kw = {"init_scale": 2.0**16, "growth_interval": 2}
+        self.fsdp = ShardedGradScaler("cpu", **kw) if on else None
+        self.ref = torch.amp.GradScaler("cpu", **kw) if on else None
+
+    def backward(self, loss: torch.Tensor, reference: bool) -> None:
+        scaler = self.ref if reference else self.fsdp
+        (loss if scaler is None else scaler.scale(loss)).backward()
+
+    def unscale(self, run: Run, step: int) -> bool:
+        """Unscale both; False (after stepping both scalers) when both found an overflow."""
+        if self.fsdp is None:
+            return True
+        self.fsdp.unscale_(self.opt)
+        self.ref.unscale_(self.ref_opt)
+        found = [
+            sum(v.item() for v in s._found_inf_per_device(o).values()) > 0
+            for s, o in ((self.fsdp, self.opt), (self.ref, self.ref_opt))
+        ]
+        if found[0] != found[1]:
+            raise AssertionError(
+                f"[{run.name}] step {step}: overflow found by fsdp {found[0]}, reference {found[1]}"
+            )
+        if not found[0]:
+            return True
+        self.step()
+        self.opt.zero_grad()
+        self.ref_opt.zero_grad()
+        return False
+
+    def step(self) -> None:
+        if self.fsdp is None:
+            self.ref_opt.step()
+            self.opt.step()
+            return
+        self.ref.step(self.ref_opt)
+        self.fsdp.step(self.opt)
+        self.ref.update()
+        self.fsdp.update()
+        if self.ref.get_scale() != self.fsdp.get_scale():
+            raise AssertionError(f"scale {self.fsdp.get_scale()} vs {self.ref.get_scale()}")
 
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:

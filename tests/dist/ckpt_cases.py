@@ -48,7 +48,10 @@ def wrap_blocks_and_norms(module: nn.Module, **kwargs: Any) -> fsdp_lite.FSDPMod
 def fsdp_optimizer(model: fsdp_lite.FSDPModule, lr: float = LR) -> torch.optim.AdamW:
     """Two groups: decay for everything but the LayerNorm units, which get none."""
     norms = [
-        p for u in model.modules() if unit_of(u) and isinstance(u.module, nn.LayerNorm) for p in u.parameters()
+        p
+        for u in model.modules()
+        if unit_of(u) and isinstance(u.module, nn.LayerNorm)
+        for p in u.parameters()
     ]
     ids = {id(p) for p in norms}
     rest = [p for p in model.parameters() if id(p) not in ids]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsdp_lite
-from fsdp_lite.testing.reference import BF16, FP16, FP32, Tolerance
+from fsdp_lite.testing.reference import BF16_ROUNDED, FP16_ROUNDED, FP32, Tolerance
 
 Spec = dict[str, Any]
 
@@ -142,9 +142,25 @@ WRAPPABLE["Node"], WRAPPABLE["Op"] = Node, Op
 
 PRECISIONS: dict[str | None, tuple[fsdp_lite.MixedPrecision | None, Tolerance]] = {
     None: (None, FP32),
-    "bf16": (fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16), BF16),
-    "fp16": (fsdp_lite.MixedPrecision(param_dtype=torch.float16), FP16),
+    "bf16": (fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16), BF16_ROUNDED),
+    "fp16": (fsdp_lite.MixedPrecision(param_dtype=torch.float16), FP16_ROUNDED),
 }
+# The dtype a case's model is loaded in before wrapping (``spec["loaded"]``): fsdp_lite
+# keeps fp32 masters of the loaded values, computes in that dtype and reduces in fp32, so
+# the reference emulates it like mixed precision of that dtype, from the rounded values.
+LOADED = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(spec: Spec) -> torch.dtype | None:
+    """The low-precision dtype a case computes in (loaded or mixed precision), else None."""
+    if spec.get("loaded"):
+        return LOADED[spec["loaded"]]
+    mp = PRECISIONS[spec["precision"]][0]
+    return None if mp is None else mp.param_dtype
+
+
+def tolerance(spec: Spec) -> Tolerance:
+    return PRECISIONS[spec.get("loaded") or spec["precision"]][1]
 
 
 def _resolve(root: nn.Module, path: str) -> nn.Module:
@@ -273,18 +289,23 @@ def build_reference(spec: Spec, world: int) -> RandomModel:
     """``build_model``, rounding as fsdp_lite does on W ranks (see the note above)."""
     model = build_model(spec)
     mp = PRECISIONS[spec["precision"]][0]
-    model.register_forward_pre_hook(_RootForward(None if mp is None else mp.param_dtype))
+    dtype = compute_dtype(spec)
+    if spec.get("loaded"):  # the loaded model's values, held in fp32 as the masters are
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                t.copy_(t.to(dtype))
+    model.register_forward_pre_hook(_RootForward(dtype))
     model.register_forward_hook(_EndRootForward(world))
     for p in model.parameters():
         if p.requires_grad:
             p.register_hook(_Unscale(world))
-    for module in model.modules() if mp is not None else []:
-        if isinstance(module, mp.fp32_module_types):
+    for module in model.modules() if dtype is not None else []:
+        if mp is not None and isinstance(module, mp.fp32_module_types):
             module.register_forward_pre_hook(_CastInputs(torch.float32))
             module.register_forward_hook(_CastOutput(mp.param_dtype))
         elif module._parameters:
-            module.register_forward_pre_hook(_CastParams(mp.param_dtype))
-            module.register_forward_hook(_UncastParams(mp.param_dtype))
+            module.register_forward_pre_hook(_CastParams(dtype))
+            module.register_forward_hook(_UncastParams(dtype))
     return model
 
 
@@ -325,6 +346,10 @@ def wrap_kwargs(spec: Spec) -> dict[str, Any]:
 def wrap_model(spec: Spec, model: nn.Module) -> fsdp_lite.FSDPModule:
     """Wrap ``spec["by_hand"]`` (deepest first), then the root with the auto-wrap policy."""
     model = strip_emulation(model)  # a copy of the reference
+    if spec.get("loaded"):  # as from_pretrained(..., torch_dtype=...): fed that dtype too
+        dtype = LOADED[spec["loaded"]]
+        model.to(dtype)
+        model.register_forward_pre_hook(lambda m, args: _cast_floats(args, dtype))
     kwargs = wrap_kwargs(spec)
     for path in sorted(spec["by_hand"], key=lambda p: -p.count(".")):
         module = _resolve(model, path)
@@ -461,6 +486,11 @@ def draw_spec(seed: int, case: int) -> Spec:
     live = [n for n, _ in model.named_parameters() if n not in tied_away and n != "head.bias"]
     spec["frozen"] = sorted(n for n in live if rng.random() < 0.15)
     spec["expect_error"] = _split_across_units(spec)
+    # Drawn apart, so adding this draw left every earlier case as it was.
+    loaded = random.Random(f"{seed}-{case}-loaded").choice((None,) * 6 + tuple(LOADED))
+    spec["loaded"] = loaded if spec["precision"] is None and not has_batchnorm(body) else None
+    fp16 = "fp16" in (spec["precision"], spec["loaded"])
+    spec["scaler"] = fp16 and random.Random(f"{seed}-{case}-scaler").random() < 0.5
     return spec
 
 
@@ -573,5 +603,6 @@ def describe(spec: Spec) -> str:
         f"case {spec['id']}: policy={spec['policy']} by_hand={spec['by_hand']} "
         f"precision={spec['precision']} raf={spec['raf']} prefetch={spec['prefetch']} "
         f"offload={spec['offload']} accumulate={spec['accumulate']} ties={spec['ties']} "
-        f"frozen={spec['frozen']}"
+        f"frozen={spec['frozen']} loaded={spec.get('loaded')} "
+        f"scaler={spec.get('scaler')}"
     )

@@ -80,16 +80,24 @@ def _legitimate_roots() -> None:
 
 
 def _hybrid_replicas_differ() -> None:
+    """Refused at the first forward, before any step; a load after wrapping (the way to
+    resume) makes them agree and is allowed."""
     shard, replicate = fsdp_lite.hybrid_groups(1)  # W=2: each rank a replica of the other
     torch.manual_seed(dist.get_rank())  # a different init on each replica
+    model = fsdp_lite.FSDPModule(Net(), process_group=(shard, replicate))
     with pytest.raises(ValueError, match="replicas of unit .* hold different values.*"
                        "sync_module_states=True"):  # fmt: skip
-        fsdp_lite.FSDPModule(Net(), process_group=(shard, replicate))
-    torch.manual_seed(dist.get_rank())
-    synced = fsdp_lite.FSDPModule(Net(), process_group=(shard, replicate), sync_module_states=True)
+        model(torch.randn(4, 8))
     torch.manual_seed(0)
-    same = fsdp_lite.FSDPModule(Net(), process_group=(shard, replicate))
-    assert synced.state_dict().keys() == same.state_dict().keys()
+    saved = Net().state_dict()
+    for sync in (True, False):
+        torch.manual_seed(dist.get_rank())
+        model = fsdp_lite.FSDPModule(
+            Net(), process_group=(shard, replicate), sync_module_states=sync
+        )
+        if not sync:
+            model.load_state_dict(saved)
+        model(torch.randn(4, 8)).backward()
 
 
 def _local_error_is_not_a_peer_error() -> None:
@@ -111,7 +119,10 @@ def _cases(rank: int, world: int) -> dict:
             ("only the blocks wrapped: refused at the first forward", _only_blocks_wrapped),
             ("blocks called from a loop: refused at the first step", _blocks_called_from_a_loop),
             ("several whole-model roots, frozen outer params: allowed", _legitimate_roots),
-            ("hybrid replicas initialized differently: refused", _hybrid_replicas_differ),
+            (
+                "hybrid replicas initialized differently: refused at forward",
+                _hybrid_replicas_differ,
+            ),
             ("a local error in a collective is not a PeerError", _local_error_is_not_a_peer_error),
         ]
     )

@@ -9,7 +9,9 @@ also across would-be units; frozen parameters), a random wrapping (``by_type`` o
 classes, ``by_size`` with a random threshold, ``any_of``, none, plus random submodules
 wrapped by hand) and a random configuration (mixed precision None / bf16 / fp16,
 ``reshard_after_forward`` None / True / False, prefetch off or ``max_in_flight`` 1-3,
-CPU offload on or off, one or two micro-batches per step under ``no_sync``). Each trains
+CPU offload on or off, one or two micro-batches per step under ``no_sync``; about one
+case in four without mixed precision loads the model in bf16 or fp16 before wrapping;
+half the fp16 cases train with fsdp_lite.ShardedGradScaler beside torch.amp.GradScaler). Each trains
 3 AdamW steps under ``compare_training``: losses and unsharded gradients every step,
 parameters at the end, with the tolerances of ``fsdp_lite.testing.reference``. The
 reference runs each rank's slice and rounds where fsdp_lite's semantics round: under
@@ -70,10 +72,11 @@ def _run(spec: rm.Spec, world: int) -> Run:
         batch=functools.partial(rm.batch, spec, world),
         loss=rm.loss,
         wrap=functools.partial(rm.wrap_model, spec),
-        tol=rm.PRECISIONS[spec["precision"]][1],
+        tol=rm.tolerance(spec),
         steps=STEPS,
         split_reference=True,  # per-rank slices: BatchNorm statistics, and rounding
         accumulate=spec["accumulate"],
+        scaler=spec["scaler"],
     )
 
 
