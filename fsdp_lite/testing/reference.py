@@ -174,9 +174,11 @@ class _Scalers:
         from fsdp_lite.grad_scaler import ShardedGradScaler
 
         self.opt, self.ref_opt = opt, ref_opt
-        # 2**16 overflows fp16 gradients in the first steps; growth every 2 steps: both
-        # skipping and growing happen within a short run.
-        kw = {"init_scale": 2.0**16, "growth_interval": 2}
+        # The scale jumps x64 after every step taken and /64 after an overflow: from 2**12,
+        # a small model steps, overflows at 2**18 (skipped), steps again: a short run both
+        # skips and steps.
+        kw = {"init_scale": 2.0**12, "growth_factor": 64.0, "backoff_factor": 1 / 64,
+              "growth_interval": 1}  # fmt: skip
         self.fsdp = ShardedGradScaler("cpu", **kw) if on else None
         self.ref = torch.amp.GradScaler("cpu", **kw) if on else None
 
