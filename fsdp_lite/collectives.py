@@ -463,7 +463,7 @@ class _Guard:
         self, entry: Entry, position: int, group: ProcessGroup, device: torch.device
     ) -> None:
         device = comm_device(group, device)
-        code = [_OPS[entry[0]], _crc(entry[1]), entry[2]]
+        code = [_OPS[entry[0]], zlib.crc32(entry[1].encode()), entry[2]]
         mine = torch.tensor(code, dtype=torch.int64, device=device)
         everyone = torch.empty(world_size(group) * 3, dtype=torch.int64, device=device)
         accounting.record_collective("divergence_check", everyone, None)
@@ -530,10 +530,6 @@ class _Guard:
         self._my_last_key = base + str(dist.get_rank())
         if any(e != mine for e in entries):
             raise DivergenceError(_describe(ranks, entries, iteration, position))
-
-
-def _crc(text: str) -> int:
-    return zlib.crc32(text.encode())
 
 
 def _store() -> Any:

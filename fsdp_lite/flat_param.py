@@ -22,6 +22,16 @@ from torch import nn
 from fsdp_lite import accounting, collectives
 from fsdp_lite.offload import DeviceHome
 
+# Every shard nn.Parameter carries (ranks it is a slice of, replicas its grad is averaged
+# over too), so code that sees only parameters -- an optimizer's step hooks, the grad
+# scaler, the misuse checks -- tells shards from plain parameters without the unit tree.
+_SHARD_ATTR = "_fsdp_lite_ranks"
+
+
+def shard_ranks(p: torch.Tensor) -> tuple[int, int] | None:
+    """``(shard group size, replicas)`` if ``p`` is an fsdp_lite shard, else ``None``."""
+    return p.__dict__.get(_SHARD_ATTR)
+
 
 @dataclass
 class ParamSlot:
@@ -69,7 +79,7 @@ class FlatParam:
             shard = _build_shard(self, originals, sync, device)
         # The master copy: the only tensor an optimizer sees.  shape: (shard_numel,)
         self.shard = nn.Parameter(shard, requires_grad=self.requires_grad)
-        self.shard._fsdp_lite_world = self.world_size  # ranks it is a slice of (grad_scaler.py)
+        self.shard.__dict__[_SHARD_ATTR] = (self.world_size, self.replicas)  # see shard_ranks
         # Where the shard and its grad live between uses (device, CPU or files).
         self.home = home
         self.device = device  # the compute device

@@ -24,9 +24,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_lite import collectives
-
-# Set on every shard nn.Parameter by FlatParam: the size of the group it is one slice of.
-SHARD_WORLD_ATTR = "_fsdp_lite_world"
+from fsdp_lite.flat_param import shard_ranks
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -153,7 +151,7 @@ def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 
 def _holds_multi_rank_shards(optimizer: torch.optim.Optimizer) -> bool:
     return any(
-        getattr(p, SHARD_WORLD_ATTR, 1) > 1 for g in optimizer.param_groups for p in g["params"]
+        (shard_ranks(p) or (1, 1))[0] > 1 for g in optimizer.param_groups for p in g["params"]
     )
 
 

@@ -84,16 +84,3 @@ def calling_modules() -> list[nn.Module]:
                 found.append(module)
         frame = frame.f_back
     return found
-
-
-def unsharded_trainable(root: nn.Module) -> list[str]:
-    """Names of ``root``'s parameters that need a gradient and belong to no unit (nor to a
-    ``DistributedDataParallel`` module, which averages its own)."""
-    shards = {id(f.shard) for u in units_of(root) for f in u.flat_params}
-    shards |= {
-        id(p)
-        for m in root.modules()
-        if isinstance(m, nn.parallel.DistributedDataParallel)
-        for p in m.parameters()
-    }
-    return [name for name, p in root.named_parameters() if p.requires_grad and id(p) not in shards]

@@ -46,7 +46,7 @@ from torch.autograd.profiler import record_function
 
 from fsdp_lite import collectives, runtime
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.flat_param import FlatParam
+from fsdp_lite.flat_param import FlatParam, shard_ranks
 from fsdp_lite.offload import DeviceHome
 from fsdp_lite.state import TrainingState, check_state
 from fsdp_lite.tree import (
@@ -54,7 +54,6 @@ from fsdp_lite.tree import (
     clean_named_modules,
     region_modules,
     unit_of,
-    unsharded_trainable,
     unwrap,
 )
 from fsdp_lite.unit_init import check_replicas_agree
@@ -169,7 +168,7 @@ class Unit:
         for outer in reversed(calling_modules()):  # outermost first
             if outer is self.module or unit_of(outer) is self:
                 break
-            loose = unsharded_trainable(outer)
+            loose = _unsharded_trainable(outer)
             if loose:
                 shown = ", ".join(loose[:3]) + (
                     f" and {len(loose) - 3} more" if len(loose) > 3 else ""
@@ -378,6 +377,22 @@ def _frees_frozen_early(unit: Unit, units: list[Unit]) -> bool:
         for slot in flat.slots
         for module, _ in slot.locations
     )
+
+
+def _unsharded_trainable(root: nn.Module) -> list[str]:
+    """Names of ``root``'s parameters that need a gradient and belong to no unit (nor to a
+    ``DistributedDataParallel`` module, which averages its own)."""
+    ddp = {
+        id(p)
+        for m in root.modules()
+        if isinstance(m, nn.parallel.DistributedDataParallel)
+        for p in m.parameters()
+    }
+    return [
+        name
+        for name, p in root.named_parameters()
+        if p.requires_grad and shard_ranks(p) is None and id(p) not in ddp
+    ]
 
 
 def _tensors_in(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:

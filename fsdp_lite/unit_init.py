@@ -11,7 +11,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_lite import collectives, deferred_init, runtime
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.flat_param import FlatParam, ParamSlot, master_dtype
+from fsdp_lite.flat_param import FlatParam, ParamSlot, master_dtype, shard_ranks
 from fsdp_lite.tree import clean_named_modules, region_modules, unit_of
 from fsdp_lite.wrap import unowned_parameters
 
@@ -115,7 +115,6 @@ def _make_flat(unit: Unit, members: list, compute_dtype: torch.dtype, sync: bool
             sub.__dict__["_fsdp_lite_sharded_by"] = weakref.ref(unit)
     for slot, p in members:
         _forget_original(p, slot.name)
-    flat.shard.__dict__[_RANKS_ATTR] = flat.world_size * flat.replicas  # its grad averages over
     flat.use_placeholders()
     return flat
 
@@ -272,7 +271,6 @@ def install_fp32_modules(module: nn.Module, mp: MixedPrecision | None) -> None:
 
 _FLATTENED: dict[int, tuple[weakref.ref, str]] = {}  # id(original) -> (ref, name)
 _CHECKED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
-_RANKS_ATTR = "_fsdp_lite_ranks"
 _hook_installed = False
 
 
@@ -303,8 +301,9 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: obj
                 "that fsdp_lite.FSDPModule flattened into a shard: it would step a tensor "
                 "nothing uses. Build the optimizer after wrapping, from model.parameters()"
             )
-    ranks = max((p.__dict__.get(_RANKS_ATTR, 1) for p in params), default=1)
-    loose = [p for p in params if p.requires_grad and _RANKS_ATTR not in p.__dict__]
+    marks = [m for p in params if (m := shard_ranks(p)) is not None]
+    ranks = max((world * replicas for world, replicas in marks), default=1)
+    loose = [p for p in params if p.requires_grad and shard_ranks(p) is None]
     if ranks > 1 and loose:
         shapes = ", ".join(str(tuple(p.shape)) for p in loose[:4])
         raise RuntimeError(
