@@ -7,11 +7,13 @@ in total, and call :func:`reset_stats` once per step to get per-step figures.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.profiler import record_function
 
 
 @dataclass
@@ -35,9 +37,11 @@ class _Recorder:
     cuda_waits: list[tuple[str, Any, Any]] = field(default_factory=list)  # (unit, start, end)
     # Full-buffer allocations live across resets: owner key -> bytes now.
     allocated: dict[int, int] = field(default_factory=dict)
+    full_bytes_now: int = 0  # sum of ``allocated``, kept as it changes
     full_bytes_peak: int = 0
     unsharded_units_peak: int = 0
     _owners: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # unit -> live flats
+    live_units: int = 0  # units with a live full buffer: count of _owners above 0
 
 
 _REC = _Recorder()
@@ -70,16 +74,33 @@ _MAX_PENDING_EVENTS = 512
 
 
 def full_allocated(flat_key: int, unit_key: int, nbytes: int) -> None:
-    _REC.allocated[flat_key] = nbytes
-    _REC._owners[unit_key] += 1
-    _REC.full_bytes_peak = max(_REC.full_bytes_peak, sum(_REC.allocated.values()))
-    live_units = sum(1 for n in _REC._owners.values() if n > 0)
-    _REC.unsharded_units_peak = max(_REC.unsharded_units_peak, live_units)
+    """A flat param's full buffer was allocated (constant time: a step reports every gather)."""
+    rec = _REC
+    rec.full_bytes_now += nbytes - rec.allocated.get(flat_key, 0)
+    rec.allocated[flat_key] = nbytes
+    rec.full_bytes_peak = max(rec.full_bytes_peak, rec.full_bytes_now)
+    rec._owners[unit_key] += 1
+    if rec._owners[unit_key] == 1:
+        rec.live_units += 1
+        rec.unsharded_units_peak = max(rec.unsharded_units_peak, rec.live_units)
 
 
 def full_freed(flat_key: int, unit_key: int) -> None:
-    if _REC.allocated.pop(flat_key, None) is not None:
-        _REC._owners[unit_key] -= 1
+    rec = _REC
+    nbytes = rec.allocated.pop(flat_key, None)
+    if nbytes is not None:
+        rec.full_bytes_now -= nbytes
+        rec._owners[unit_key] -= 1
+        if rec._owners[unit_key] == 0:
+            rec.live_units -= 1
+
+
+def region(name: str) -> contextlib.AbstractContextManager:
+    """A profiler region named ``name`` (``record_function``) while a profiler runs, else
+    nothing: entering one costs microseconds per call, several calls per unit per step."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return record_function(name)
+    return contextlib.nullcontext()
 
 
 def _resolve_cuda_waits(block: bool = True) -> None:
@@ -124,7 +145,7 @@ def stats() -> dict[str, Any]:
         "collectives": {op: s.as_dict() for op, s in _REC.ops.items()},
         "units": units,
         "exposed_s": _REC.exposed_s,
-        "full_bytes_now": sum(_REC.allocated.values()),
+        "full_bytes_now": _REC.full_bytes_now,
         "full_bytes_peak": _REC.full_bytes_peak,
         "unsharded_units_peak": _REC.unsharded_units_peak,
     }
@@ -137,8 +158,8 @@ def reset_stats() -> None:
     _REC.unit_ops.clear()
     _REC.unit_exposed_s.clear()
     _REC.exposed_s = 0.0
-    _REC.full_bytes_peak = sum(_REC.allocated.values())
-    _REC.unsharded_units_peak = sum(1 for n in _REC._owners.values() if n > 0)
+    _REC.full_bytes_peak = _REC.full_bytes_now
+    _REC.unsharded_units_peak = _REC.live_units
 
 
 def comm_stats() -> dict[str, dict[str, Any]]:

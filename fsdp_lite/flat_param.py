@@ -179,13 +179,23 @@ class FlatParam:
         One ``split`` (not a slice per parameter): its backward is a single ``cat`` into
         the full gradient, where per-parameter slices would each build a zero-filled
         full-size gradient and add them all up.
+
+        New views every forward, never kept ones: the autograd engine runs ready nodes
+        newest first, so a split node kept from an earlier step would run last, holding
+        every unit's full gradient (and its reduce-scatter) until the end of backward.
+        An attribute this installed before is replaced in the module's ``__dict__``, as
+        ``nn.Module.__setattr__`` would for a plain tensor, without its checks.
         """
         sizes = [slot.numel for slot in self.slots] + [self.padded_numel - self.numel]
         pieces = torch.split(self.full, sizes)
         for slot, piece in zip(self.slots, pieces, strict=False):
             view = piece.view(slot.shape)
             for module, attr in slot.locations:
-                setattr(module, attr, view)
+                attrs = module.__dict__
+                if attr in attrs:
+                    attrs[attr] = view
+                else:  # the first install, or after a summon put a Parameter there
+                    setattr(module, attr, view)
 
     def use_placeholders(self) -> None:
         """Until the first gather: storage-less meta tensors of the right shape and dtype

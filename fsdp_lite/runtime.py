@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_map
 
+from fsdp_lite import accounting
 from fsdp_lite.api import PrefetchPolicy
 from fsdp_lite.flat_param import PendingGrad
 from fsdp_lite.state import TrainingState
@@ -151,7 +151,7 @@ def finish_backward(ctx: RootContext) -> None:
 
     Also covers units whose parameters got no gradient this iteration.
     """
-    with record_function("fsdp_lite::finish_backward"):
+    with accounting.region("fsdp_lite::finish_backward"):
         for pending in ctx.pending:
             pending.finish()
         ctx.pending.clear()

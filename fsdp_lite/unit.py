@@ -42,9 +42,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.profiler import record_function
 
-from fsdp_lite import collectives, runtime
+from fsdp_lite import accounting, collectives, runtime
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.flat_param import FlatParam, shard_ranks
 from fsdp_lite.offload import DeviceHome
@@ -132,7 +131,7 @@ class Unit:
             if self.is_root:
                 collectives.GUARD.start_iteration(self.name, self.process_group, self.device)
                 self.ctx.forward_order.start()
-            with record_function("fsdp_lite::unshard"):
+            with accounting.region("fsdp_lite::unshard"):
                 self.unshard_with_prefetch(backward=False)
                 self.use_full_params()
         self._watch_inputs(args, kwargs)
@@ -281,7 +280,7 @@ class Unit:
             )
         if self.state is not TrainingState.IDLE:
             return
-        with record_function("fsdp_lite::pre_backward"):
+        with accounting.region("fsdp_lite::pre_backward"):
             self.state = TrainingState.PRE_BACKWARD
             self.grads_pending = {id(f) for f in self.flat_params if f.requires_grad}
             self.unshard_with_prefetch(backward=True)
@@ -295,7 +294,7 @@ class Unit:
             doing="run its post-backward hook (its pre-backward hook never ran: were its "
             "outputs detached or passed outside the autograd graph?)",
         )
-        with record_function("fsdp_lite::post_backward"):
+        with accounting.region("fsdp_lite::post_backward"):
             self.state = TrainingState.POST_BACKWARD
             if self.sync_grads:
                 runtime.wait_previous_reduce_scatter(self.ctx)

@@ -315,13 +315,15 @@ def report(args: argparse.Namespace, cfg: BenchConfig, results: dict, info: dict
     return "\n".join(lines)
 
 
-def write_markdown(path: Path, block: str) -> None:
-    """Replace the bench block of ``path`` (keeping any text around it), or create the file."""
-    if path.exists() and BEGIN in (text := path.read_text()) and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
+def write_markdown(path: Path, block: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the block between ``begin`` and ``end`` in ``path`` (keeping any text around
+    it), append it if absent, or create the file."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
-        text = "# Benchmarks\n\n" + block + "\n"
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
 
 
