@@ -34,6 +34,14 @@ nothing. In transformers 5.x, ``_init_weights`` recomputes them (it is how
 whatever ``param_init_fn`` is (``no_init`` included); elsewhere from the module's own init.
 Each is checked to be fully written (two runs from different fills must agree), or wrapping
 fails naming it.
+
+[Note: memory]
+Beyond the shards, wrapping holds one unit's full parameters at a time (its modules are
+materialized, flattened into the shard, then freed) and, at first, the plan: one recorded RNG
+state per module with meta tensors, a 5 KiB CPU tensor each (the Mersenne Twister's state;
+CUDA's is 16 bytes). Those add up on many small modules -- the 202 of a 34-unit GPT of 1.7M
+parameters were 0.15x the model -- so ``materialize`` drops each state once used and the
+plan holds no tensors after wrapping, however long something keeps it alive.
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ class InitPlan:
     real: dict[int, nn.Parameter] = field(default_factory=dict)  # id(meta param) -> real one
     hf: dict[int, list[HFInit]] = field(default_factory=dict)  # id(module) -> _hf_chains
     rebuilt: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # non-persistent
+    done: set[int] = field(default_factory=set)  # id(module) materialized (its state dropped)
 
 
 def _rng_state(device: torch.device) -> RngState:
@@ -286,15 +295,22 @@ class _scratch:
 
 
 def materialize(module: nn.Module, name: str, plan: InitPlan) -> None:
-    """Give ``module``'s own tensors real storage and initialize them from the plan."""
+    """Give ``module``'s own tensors real storage and initialize them from the plan.
+
+    Each module's recorded RNG state (5 KiB on CPU) is used once and dropped here, so once
+    every unit is built the plan holds no tensors (see the note on memory)."""
+    state = plan.states.pop(id(module), None)
     if not _has_own_meta(module):
         return
-    state = plan.states.get(id(module))
     if state is None:
+        if id(module) in plan.done:  # met again in another unit: its own tensors are real
+            _link_tied(module, plan)
+            return
         raise RuntimeError(
             f"fsdp_lite: module '{name}' is on the meta device but was not in the model when "
             "its outermost FSDPModule was created"
         )
+    plan.done.add(id(module))
     own = _rng_state(plan.device)
     _set_rng_state(state, plan.device)
     try:
@@ -314,10 +330,17 @@ def materialize(module: nn.Module, name: str, plan: InitPlan) -> None:
                 plan.real[id(p)] = real
                 for other, other_attr in plan.where[id(p)]:  # every registration, ties too
                     other._parameters[other_attr] = real
-            elif p is not None and p.is_meta and id(p) in plan.real:
-                module._parameters[attr] = plan.real[id(p)]
+        _link_tied(module, plan)
         for attr, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 module._buffers[attr] = buffers[attr]
     finally:
         _set_rng_state(own, plan.device)
+
+
+def _link_tied(module: nn.Module, plan: InitPlan) -> None:
+    """Point ``module``'s meta parameters that another module owns, and has already
+    materialized, at that real parameter (the owner sets every registration it knows)."""
+    for attr, p in list(module._parameters.items()):
+        if p is not None and p.is_meta and id(p) in plan.real:
+            module._parameters[attr] = plan.real[id(p)]
