@@ -296,6 +296,9 @@ class Unit:
         )
         with accounting.region("fsdp_lite::post_backward"):
             self.state = TrainingState.POST_BACKWARD
+            # Its gradient is complete, so no node left in this backward reads these
+            # parameters: free them before the gradient's casts and copies allocate.
+            flat.reshard()
             if self.sync_grads:
                 runtime.wait_previous_reduce_scatter(self.ctx)
                 pending = flat.reduce_scatter_grad(self.reduce_dtype(flat))
@@ -303,7 +306,6 @@ class Unit:
                     self.ctx.pending.append(pending)
             else:
                 flat.accumulate_unsharded()
-            flat.reshard()
             self.grads_pending.discard(id(flat))
             self._free_frozen_if_done()
 

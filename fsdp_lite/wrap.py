@@ -142,3 +142,5 @@ def apply_policy(root: nn.Module, policy: Policy, make_unit: Callable) -> None:
             setattr(module, name, made[id(child)])
 
     visit(root, "")
+    del visit  # it refers to itself: a cycle that would keep make_unit (and what it
+    # holds, e.g. a deferred-init plan and the flattened originals) alive until a GC
