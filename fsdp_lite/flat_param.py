@@ -237,16 +237,51 @@ class FlatParam:
         if grad is None:
             return None
         ranks = self.world_size * self.replicas  # averaged over
+        out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
         with torch.no_grad():
+            if _widening_pieces(grad, reduce_dtype) > 1:
+                return PendingGrad(self, self._reduce_widened(grad, out), out, ranks)
             grad = grad.to(reduce_dtype)
             # Low-precision sums could overflow: divide the full gradient first. In fp32,
             # divide the 1/W-sized result instead (one full-size pass saved).
             low_precision = reduce_dtype.itemsize < 4
             if low_precision:
                 grad.div_(ranks)
-            out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
             work = collectives.reduce_scatter_flat(out, grad, self.group, unit=self.unit_name)
-        return PendingGrad(self, work, out, 1 if low_precision else ranks)
+        return PendingGrad(self, [work], out, 1 if low_precision else ranks)
+
+    def _reduce_widened(self, grad: torch.Tensor, out: torch.Tensor) -> list[collectives.Handle]:
+        """Reduce-scatter a low-precision ``grad`` in a wider dtype, a slice of columns of
+        its (W, shard) layout at a time, so the wide copy never exists whole (see
+        WIDEN_PIECE_BYTES); at most two pieces in flight."""
+        columns = grad.view(self.world_size, self.shard_numel)
+        step = -(-self.shard_numel // _widening_pieces(grad, out.dtype))
+        works: list[collectives.Handle] = []
+        for lo in range(0, self.shard_numel, step):
+            hi = min(lo + step, self.shard_numel)
+            if len(works) >= 2:
+                works[-2].wait()
+            wide = torch.empty((self.world_size, hi - lo), dtype=out.dtype, device=grad.device)
+            wide.copy_(columns[:, lo:hi])
+            works.append(
+                collectives.reduce_scatter_flat(
+                    out[lo:hi], wide.view(-1), self.group, unit=self.unit_name
+                )
+            )
+        return works
+
+
+# A gradient reduced in a wider dtype than its own (bf16 compute, fp32 reduction) needs a
+# wide copy twice its size. Above this many bytes that copy is made and reduce-scattered
+# in pieces of at most this size, so a large unit's gradient (a 50k-token embedding) needs
+# little more than itself at its reduce-scatter.
+WIDEN_PIECE_BYTES = 64 * 2**20
+
+
+def _widening_pieces(grad: torch.Tensor, reduce_dtype: torch.dtype) -> int:
+    if reduce_dtype.itemsize <= grad.element_size():
+        return 1
+    return -(-grad.numel() * reduce_dtype.itemsize // WIDEN_PIECE_BYTES)
 
 
 def _build_shard(
@@ -279,7 +314,8 @@ def master_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class PendingGrad:
-    """A reduce-scatter in flight; ``finish`` adds its result to the shard's fp32 grad.
+    """A reduce-scatter in flight (one or more collectives); ``finish`` adds its result to
+    the shard's fp32 grad.
 
     The full-size input is not referenced here: the process group keeps what the
     collective needs alive until it completes (gloo reduces a copy of its own, NCCL
@@ -288,12 +324,20 @@ class PendingGrad:
     """
 
     flat: FlatParam
-    work: collectives.Handle
+    works: list[collectives.Handle]
     out: torch.Tensor  # (shard_numel,) in reduce dtype
     divide_by: int  # what the result is still to be divided by (1: the input was)
 
+    @property
+    def waited(self) -> bool:
+        return all(work.waited for work in self.works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
     def finish(self) -> None:
-        self.work.wait()
+        self.wait()
         if self.divide_by != 1:
             self.out.div_(self.divide_by)
         flat = self.flat

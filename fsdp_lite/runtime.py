@@ -87,7 +87,7 @@ def reset(ctx: RootContext) -> None:
     """Forget an interrupted iteration: every unit resharded and IDLE, nothing in flight."""
     for pending in ctx.pending:
         with contextlib.suppress(Exception):
-            pending.work.wait()
+            pending.wait()
     ctx.pending.clear()
     for unit in ctx.units:
         unit.end_backward()
@@ -143,7 +143,7 @@ def wait_previous_reduce_scatter(ctx: RootContext) -> None:
     in issue order, so the ranks' collectives (the hybrid replicate all-reduce) keep the
     same order whatever the timing."""
     if ctx.pending:
-        ctx.pending[-1].work.wait()  # every earlier one was waited for the same way
+        ctx.pending[-1].wait()  # every earlier one was waited for the same way
 
 
 def finish_backward(ctx: RootContext) -> None:

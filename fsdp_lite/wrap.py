@@ -8,6 +8,7 @@ passed to ``FSDPModule`` itself is always a unit (the root), whatever the policy
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -110,37 +111,45 @@ def apply_policy(root: nn.Module, policy: Policy, make_unit: Callable) -> None:
     ``defer`` holds the parameters of ``sub`` that are also registered outside it (ties):
     they are left for the lowest enclosing unit that contains every use.
     """
-    locations = param_locations(root)
     paths: dict[int, list[str]] = {}  # id(module) -> every path it is registered under
     for name, m in root.named_modules(remove_duplicate=False):
         paths.setdefault(id(m), []).append(name)
-    made: dict[int, nn.Module] = {}  # a module registered twice becomes one unit
+    # A module-level recursion, not a closure over itself: that cycle would keep make_unit
+    # (and what it holds: a deferred-init plan, the flattened originals) alive until a GC.
+    _visit(_Walk(policy, make_unit, param_locations(root), paths), root, "")
 
-    def visit(module: nn.Module, path: str) -> None:
-        for name, child in list(module._modules.items()):  # every registration, shared too
-            if child is None:
-                continue
-            if id(child) in made:
-                setattr(module, name, made[id(child)])
-                continue
-            if _is_unit(child):
-                continue
-            child_path = f"{path}{name}"
-            visit(child, child_path + ".")
-            if isinstance(child, nn.ModuleList | nn.ModuleDict) or not policy(child):
-                continue  # containers have no forward of their own: never units
-            prefixes = [p + "." for p in paths.get(id(child), [child_path])]
-            defer = {
-                id(p)
-                for _, _, p in unowned_parameters(child)
-                if any(
-                    not any(loc.startswith(pre) for pre in prefixes)
-                    for loc in locations.get(id(p), [])
-                )
-            }
-            made[id(child)] = make_unit(child, defer)
+
+@dataclass
+class _Walk:
+    policy: Policy
+    make_unit: Callable
+    locations: dict[int, list[str]]  # id(param) -> every path it is registered under
+    paths: dict[int, list[str]]  # id(module) -> every path it is registered under
+    made: dict[int, nn.Module] = field(default_factory=dict)  # registered twice: one unit
+
+
+def _visit(walk: _Walk, module: nn.Module, path: str) -> None:
+    made = walk.made
+    for name, child in list(module._modules.items()):  # every registration, shared too
+        if child is None:
+            continue
+        if id(child) in made:
             setattr(module, name, made[id(child)])
-
-    visit(root, "")
-    del visit  # it refers to itself: a cycle that would keep make_unit (and what it
-    # holds, e.g. a deferred-init plan and the flattened originals) alive until a GC
+            continue
+        if _is_unit(child):
+            continue
+        child_path = f"{path}{name}"
+        _visit(walk, child, child_path + ".")
+        if isinstance(child, nn.ModuleList | nn.ModuleDict) or not walk.policy(child):
+            continue  # containers have no forward of their own: never units
+        prefixes = [p + "." for p in walk.paths.get(id(child), [child_path])]
+        defer = {
+            id(p)
+            for _, _, p in unowned_parameters(child)
+            if any(
+                not any(loc.startswith(pre) for pre in prefixes)
+                for loc in walk.locations.get(id(p), [])
+            )
+        }
+        made[id(child)] = walk.make_unit(child, defer)
+        setattr(module, name, made[id(child)])

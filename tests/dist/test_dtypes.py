@@ -81,3 +81,42 @@ def _dtype_table(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_dtype_table(world: int) -> None:
     run_distributed(_dtype_table, world)
+
+
+def _widened_in_pieces(rank: int, world: int) -> None:
+    """A bf16 gradient reduced in fp32 in column pieces (a large unit's path, forced here
+    with a tiny piece size) gives bit-identical shard grads to the whole reduce-scatter,
+    and trains like the single-process reference."""
+    import functools
+
+    from cases import B_PER_RANK, gpt, gpt_run, token_batch, wrap_blocks
+
+    from fsdp_lite import flat_param
+    from fsdp_lite.testing.reference import compare_training
+
+    mp = fsdp_lite.MixedPrecision(param_dtype=bf16, reduce_dtype=f32)
+    grads, calls = {}, {}
+    for piece_bytes in (flat_param.WIDEN_PIECE_BYTES, 4096):
+        flat_param.WIDEN_PIECE_BYTES, saved = piece_bytes, flat_param.WIDEN_PIECE_BYTES
+        try:
+            torch.manual_seed(0)
+            model = wrap_blocks(gpt(), mixed_precision=mp)
+            fsdp_lite.reset_comm_stats()
+            mine = slice(rank * B_PER_RANK, (rank + 1) * B_PER_RANK)
+            for step in range(2):
+                x, y = token_batch(world, step)
+                model(x[mine], y[mine])[1].backward()
+            calls[piece_bytes] = fsdp_lite.comm_stats()["reduce_scatter"]["calls"]
+            grads[piece_bytes] = [p.grad.clone() for p in model.parameters()]
+            if piece_bytes == 4096:
+                wrap = functools.partial(wrap_blocks, mixed_precision=mp)
+                compare_training(gpt_run("widened in pieces", world, "bf16", wrap=wrap))
+        finally:
+            flat_param.WIDEN_PIECE_BYTES = saved
+    whole, pieces = grads.values()
+    assert all(torch.equal(a, b) for a, b in zip(whole, pieces, strict=True))
+    assert calls[4096] > 2 * calls[flat_param.WIDEN_PIECE_BYTES], calls
+
+
+def test_widened_reduce_in_pieces() -> None:
+    run_distributed(_widened_in_pieces, 2)

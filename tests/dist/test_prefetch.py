@@ -107,7 +107,7 @@ def _check_reduce_scatter_inputs_bounded() -> None:
 
     def spy(ctx):
         wait_previous(ctx)
-        in_flight.append(sum(not p.work.waited for p in ctx.pending) + 1)  # + the next
+        in_flight.append(sum(not p.waited for p in ctx.pending) + 1)  # + the next
 
     runtime.wait_previous_reduce_scatter = spy
     try:
