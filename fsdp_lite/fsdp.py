@@ -172,7 +172,7 @@ class FSDPModule(nn.Module):
         The first backward outside the context reduce-scatters the sum. Costs one
         unsharded fp32 gradient per flat param for the duration.
         """
-        units = units_of(self)
+        units = self._tree_units()
         for unit in units:
             check_state(unit.name, unit.state, TrainingState.IDLE, doing="enter no_sync")
         for unit in units:
@@ -182,6 +182,14 @@ class FSDPModule(nn.Module):
         finally:
             for unit in units:
                 unit.sync_grads = True
+
+    def _tree_units(self) -> list[Unit]:
+        """Every unit in this module's tree, this one first: the root's list once it ran
+        (no walk over the module tree, which no_sync and clip would do every step)."""
+        unit = self._unit
+        if unit.is_root and unit.ctx is not None:
+            return unit.ctx.units
+        return units_of(self)
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -194,7 +202,7 @@ class FSDPModule(nn.Module):
         with ``error_if_nonfinite``, else warned about, leaving the grads unscaled so the
         caller can skip the step: ``if torch.isfinite(norm): optimizer.step()``.
         """
-        units = units_of(self)
+        units = self._tree_units()
         for unit in units:
             check_state(unit.name, unit.state, TrainingState.IDLE, doing="clip_grad_norm_")
         grads = [f.shard.grad for u in units for f in u.flat_params if f.shard.grad is not None]

@@ -15,14 +15,18 @@ if TYPE_CHECKING:
 def total_norm(
     grads: list[torch.Tensor], p: float, device: torch.device, group: collectives.ProcessGroup
 ) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    """The ``p``-norm of ``grads`` over every rank's shards (an all-reduce): one
+    multi-tensor norm over this rank's shard grads (fp32), combined in fp32."""
+    if grads:
+        norms = torch._foreach_norm(grads, p)
+        local = torch.stack([n.to(device, torch.float32) for n in norms])
+    else:
+        local = torch.zeros(1, dtype=torch.float32, device=device)
     if p == float("inf"):
-        for g in grads:
-            total = torch.maximum(total, g.abs().max().float().to(device))
+        total = local.max()
         collectives.all_reduce(total, group, op="max")
         return total
-    for g in grads:  # sum of |g|^p: fp32 norm() over millions of elements drifts
-        total += g.float().abs().pow(p).sum().to(device)
+    total = local.pow(p).sum()
     collectives.all_reduce(total, group, op="sum")
     return total ** (1.0 / p)
 
