@@ -33,11 +33,26 @@ test: venv
 lint: venv
 	$(BIN)/ruff check fsdp_lite tests scripts
 
-# Side by side with PyTorch FSDP2, FSDP1 and DDP; writes BENCHMARKS.md and BENCHMARKS.json.
+# Side by side with PyTorch FSDP2, FSDP1 and DDP; writes BENCHMARKS.md and BENCHMARKS*.json:
+# the step at W=2 (ARGS go to it), host overhead per unit, per-rank memory at W=8/64/512,
+# and compiled vs eager blocks. Each part also runs alone: make bench-host, ...
 #   make bench [ARGS='--steps 10 --precisions fp32']
-.PHONY: bench bench-lora
-bench: venv
+.PHONY: bench bench-step bench-host bench-scale bench-compile bench-lora
+bench: bench-step bench-host bench-scale bench-compile
+
+bench-step: venv
 	$(BIN)/python scripts/bench.py $(ARGS)
+
+# Fake process group, W=8, 64 tiny blocks: what each system adds per unit (~2 min).
+bench-host: venv
+	$(BIN)/python scripts/bench_host.py
+
+# Fake process group, a 1.3B GPT: per-rank peak at W=8/64/512 against FSDP2 (~5 min).
+bench-scale: venv
+	$(BIN)/python scripts/bench_scale.py
+
+bench-compile: venv
+	$(BIN)/python scripts/bench_compile.py
 
 # Backward peak memory, full fine-tuning vs a frozen base with LoRA (same Llama, W=2).
 bench-lora: venv
