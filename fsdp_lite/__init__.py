@@ -20,12 +20,14 @@ from fsdp_lite.hf_checkpoint import load_pretrained, save_pretrained
 from fsdp_lite.offload import CPUOffload, SSDOffload, offload_optimizer_state
 from fsdp_lite.offload_model import OffloadModel
 from fsdp_lite.optim_state import full_optim_state_dict, load_full_optim_state_dict
+from fsdp_lite.planner import MemoryEstimate, Plan, estimate_memory, plan
 from fsdp_lite.save_load import CheckpointError, load_checkpoint, save_checkpoint
 from fsdp_lite.state import FSDPStateError, TrainingState
 
 __all__ = [
     "DivergenceError",
     "PeerError",
+    "Plan",
     "hybrid_groups",
     "set_divergence_check",
     "CPUOffload",
@@ -34,6 +36,7 @@ __all__ = [
     "CheckpointError",
     "FSDPModule",
     "FSDPStateError",
+    "MemoryEstimate",
     "MixedPrecision",
     "OffloadModel",
     "PrefetchPolicy",
@@ -42,11 +45,13 @@ __all__ = [
     "apply_activation_checkpointing",
     "checkpoint_wrapper",
     "comm_stats",
+    "estimate_memory",
     "full_optim_state_dict",
     "load_checkpoint",
     "load_full_optim_state_dict",
     "load_pretrained",
     "make_viewless_tensor",
+    "plan",
     "reset_comm_stats",
     "reset_stats",
     "save_checkpoint",

@@ -1,0 +1,216 @@
+"""The memory planner's view of wrapping: which units ``FSDPModule(model, auto_wrap_policy=...)``
+would build and what flat params each would hold, computed without wrapping anything.
+
+It follows ``wrap.apply_policy`` and ``unit_init.build_flat_params``: the policy is asked
+about every submodule bottom-up (containers never become units), each picked module owns
+the parameters of its tree that no nested unit owns (ties used outside it are deferred to
+the lowest enclosing unit), the model itself is the root and owns the rest, and each unit
+groups its parameters by (dtype, requires_grad, compute dtype) into one flat param, padded
+to a multiple of W. While the policy runs, parameters already owned by a picked unit are
+hidden from ``_parameters`` (as wrapping removes them), so size-based policies count what
+they would count when wrapping; every ``_parameters`` dict is restored, in order, after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fsdp_lite.api import MixedPrecision
+from fsdp_lite.flat_param import master_dtype
+from fsdp_lite.tree import unit_of
+from fsdp_lite.wrap import Policy, param_locations, unowned_parameters
+
+Location = tuple[nn.Module, str]
+
+
+@dataclass
+class SlotLayout:
+    """One original parameter inside a flat param and every place it is registered."""
+
+    locations: list[Location]
+    shape: torch.Size
+
+
+@dataclass
+class FlatLayout:
+    """One flat param of one unit, as wrapping at world size ``world_size`` would build it."""
+
+    slots: list[SlotLayout]
+    dtype: torch.dtype  # the parameters' own dtype
+    compute_dtype: torch.dtype  # of the gathered full buffer
+    requires_grad: bool
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        return sum(s.shape.numel() for s in self.slots)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.world_size)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return master_dtype(self.dtype)
+
+    @property
+    def shard_bytes(self) -> int:
+        """The master shard (also the size of its fp32 shard grad and of each optimizer state)."""
+        return self.shard_numel * self.master_dtype.itemsize
+
+    @property
+    def full_bytes(self) -> int:
+        """The gathered full buffer (also the size of its full gradient in backward)."""
+        return self.padded_numel * self.compute_dtype.itemsize
+
+
+@dataclass
+class UnitLayout:
+    name: str  # the module path ("" for the root)
+    module: nn.Module
+    is_root: bool
+    flats: list[FlatLayout] = field(default_factory=list)
+    has_nested: bool = False  # contains other units (frozen params then wait for the end)
+
+    @property
+    def full_bytes(self) -> int:
+        return sum(f.full_bytes for f in self.flats)
+
+
+def layout_units(
+    model: nn.Module,
+    world_size: int,
+    policy: Policy | None,
+    mixed_precision: MixedPrecision | None,
+) -> list[UnitLayout]:
+    """The units wrapping ``model`` would build, root first, then in module order."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for m in model.modules():
+        if unit_of(m) is not None:
+            raise ValueError(
+                "estimate_memory takes the model before wrapping; "
+                f"{type(m).__name__} is already an fsdp_lite.FSDPModule"
+            )
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    picked: list[tuple[nn.Module, list]] = []
+    with _hidden_parameters() as hide:
+        if policy is not None:
+            for child, defer in _pick_units(model, policy):
+                members = _members(child, defer)
+                hide(members)
+                picked.append((child, members))
+        root_members = _members(model, set())
+    units = [_unit(model, "", True, root_members, world_size, mixed_precision)]
+    for child, members in picked:
+        name = names.get(id(child), "?")
+        units.append(_unit(child, name, False, members, world_size, mixed_precision))
+    picked_ids = {id(c) for c, _ in picked}
+    for unit in units:
+        inner = (m for m in unit.module.modules() if m is not unit.module)
+        unit.has_nested = any(id(m) in picked_ids for m in inner)
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return [units[0]] + sorted(units[1:], key=lambda u: order.get(id(u.module), 0))
+
+
+def _pick_units(root: nn.Module, policy: Policy) -> Iterator[tuple[nn.Module, set[int]]]:
+    """(module, ids of its deferred tie parameters) for each module the policy picks,
+    bottom-up as ``wrap.apply_policy`` visits them; the caller hides each one's members
+    before the next is asked about."""
+    locations = param_locations(root)
+    paths: dict[int, list[str]] = {}
+    for name, m in root.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(name)
+    made: set[int] = set()
+
+    def visit(module: nn.Module, path: str) -> Iterator[tuple[nn.Module, set[int]]]:
+        for name, child in list(module._modules.items()):
+            if child is None or id(child) in made:
+                continue
+            child_path = f"{path}{name}"
+            yield from visit(child, child_path + ".")
+            if isinstance(child, nn.ModuleList | nn.ModuleDict) or not policy(child):
+                continue
+            prefixes = [p + "." for p in paths.get(id(child), [child_path])]
+            defer = {
+                id(p)
+                for _, _, p in unowned_parameters(child)
+                if any(
+                    not any(loc.startswith(pre) for pre in prefixes)
+                    for loc in locations.get(id(p), [])
+                )
+            }
+            made.add(id(child))
+            yield child, defer
+
+    yield from visit(root, "")
+
+
+def _members(module: nn.Module, defer: set[int]) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    return [(s, a, p) for s, a, p in unowned_parameters(module) if id(p) not in defer]
+
+
+@contextlib.contextmanager
+def _hidden_parameters() -> Iterator:
+    """``hide(members)`` removes parameters from their modules until the context exits."""
+    saved: dict[int, tuple[nn.Module, list]] = {}
+
+    def hide(members: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+        for sub, attr, _ in members:
+            if id(sub) not in saved:
+                saved[id(sub)] = (sub, list(sub._parameters.items()))
+            sub._parameters.pop(attr, None)
+
+    try:
+        yield hide
+    finally:
+        for sub, items in saved.values():
+            sub._parameters.clear()
+            sub._parameters.update(items)
+
+
+def _unit(
+    module: nn.Module,
+    name: str,
+    is_root: bool,
+    members: list[tuple[nn.Module, str, nn.Parameter]],
+    world_size: int,
+    mp: MixedPrecision | None,
+) -> UnitLayout:
+    """Group ``members`` as ``build_flat_params`` does: one slot per parameter (ties share
+    it), one flat param per (dtype, requires_grad, compute dtype)."""
+    groups: dict[tuple, list[SlotLayout]] = {}
+    slot_of: dict[int, SlotLayout] = {}
+    for sub, attr, p in members:
+        if id(p) in slot_of:
+            slot_of[id(p)].locations.append((sub, attr))
+            continue
+        if not p.is_floating_point():
+            raise TypeError(
+                f"parameter '{attr}' of {type(sub).__name__} has dtype {p.dtype}: fsdp_lite "
+                "shards floating-point parameters only"
+            )
+        slot = slot_of[id(p)] = SlotLayout([(sub, attr)], p.shape)
+        groups.setdefault((p.dtype, p.requires_grad, _compute_dtype(mp, sub, p)), []).append(slot)
+    flats = [
+        FlatLayout(slots, dtype, compute, rg, world_size)
+        for (dtype, rg, compute), slots in groups.items()
+    ]
+    return UnitLayout(name or f"<root {type(module).__name__}>", module, is_root, flats)
+
+
+def _compute_dtype(mp: MixedPrecision | None, sub: nn.Module, p: nn.Parameter) -> torch.dtype:
+    if mp is None:
+        return p.dtype
+    if isinstance(sub, mp.fp32_module_types):
+        return master_dtype(p.dtype)
+    return mp.param_dtype

@@ -1,0 +1,318 @@
+"""Replay fsdp_lite's step over a traced step: which full buffers, shard grads and
+communication buffers exist at each mark, added to what the trace counted there.
+
+Each term is one named line of the breakdown, each following one place of the code:
+
+- ``shards``: every flat param's master shard (``FlatParam.shard``), all the time.
+- ``optimizer_state``: per trainable shard element, the optimizer's states in the master
+  dtype (AdamW: ``exp_avg``, ``exp_avg_sq``, plus a 4-byte ``step`` per shard on CPU).
+- ``buffers``: the model's buffers on the compute device (``prepare_buffers``).
+- ``gathered_units``: full buffers allocated now (``FlatParam.unshard`` .. ``reshard``):
+  the running unit's, the prefetched ones' (``PrefetchPolicy``), the root's and, by default,
+  the first unit in backward order after it, kept from forward (``keeps_full_after_forward``).
+- ``gather_buffers``: the shard cast to the compute dtype that an all-gather sends, kept
+  until the gather is waited for (``FlatParam._gather_send``).
+- ``full_gradients``: (traced) a unit's parameter gradients in the compute dtype until
+  its post-backward reduce-scatters them (``FlatParam.take_grad``).
+- ``reduce_scatter_buffers``: the full gradient cast to the reduce dtype, at the
+  post-backward; and, on a real backend, what the process group keeps of the one
+  reduce-scatter in flight until the next unit's post-backward waits for it
+  (``runtime.wait_previous_reduce_scatter``): gloo reduces a clone of its input, NCCL keeps
+  the input itself (the cast, or the full gradient). The fake backend keeps nothing.
+- ``gradients``: the reduce-scatter outputs (shard-sized, reduce dtype) waiting in
+  ``RootContext.pending`` for the end of backward, then the fp32 shard grads they become
+  (``PendingGrad.finish``; a copy where the reduce dtype is not the master dtype).
+- ``activations``, ``backward_temporaries``: (traced) see ``planner_trace.py``.
+- ``optimizer_temporaries``: what the optimizer step allocates: AdamW's ``denom`` (a square
+  root and a quotient per shard, while the previous shard's ``denom`` is still held) or,
+  with ``foreach`` (the default on CUDA), one square root per shard element at once.
+
+Shard grads are assumed freed before the next forward (``optimizer.zero_grad()``, which
+sets them to ``None`` by default). Frozen flat params are taken as freed once their unit's
+trainable ones are reduced (fsdp_lite also waits for the unit's input gradients), or at the
+end of backward in a unit with nested units or with nothing trainable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fsdp_lite.api import PrefetchPolicy
+from fsdp_lite.planner_layout import FlatLayout, UnitLayout
+from fsdp_lite.planner_storage import CATEGORIES, Mark
+from fsdp_lite.planner_trace import StepTrace
+
+TERMS = (
+    "shards",
+    "optimizer_state",
+    "buffers",
+    "gathered_units",
+    "gather_buffers",
+    "activations",
+    "full_gradients",
+    "backward_temporaries",
+    "reduce_scatter_buffers",
+    "gradients",
+    "optimizer_temporaries",
+)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    reshard_after_forward: bool | None
+    prefetch: PrefetchPolicy | None
+    reduce_dtype: torch.dtype | None  # MixedPrecision's effective reduce dtype; None: master
+    offload_to_host: bool  # shards, grads and optimizer state in host memory, apart
+    optimizer_states: float  # states per trainable shard element
+    optimizer_temporaries: str  # "none", "per_tensor" or "foreach" (see _optimizer_temporaries)
+    step_tensors: bool  # a 4-byte step count per shard (Adam) in this memory
+    # What the backend keeps for the reduce-scatter in flight: "copy" (gloo clones the
+    # input), "input" (NCCL stashes the input itself), "none" (fake backend, one rank).
+    comm_keeps: str
+
+
+@dataclass
+class Peak:
+    bytes: int = -1
+    breakdown: dict[str, int] = field(default_factory=dict)
+    phase: str = ""
+    host_bytes: int = 0  # offloaded state in host memory, when that is not the device's
+
+
+class _Replay:
+    def __init__(self, units: list[UnitLayout], trace: StepTrace, cfg: ReplayConfig) -> None:
+        self.units, self.cfg = units, cfg
+        trainable = [f for u in units for f in u.flats if f.requires_grad]
+        states = cfg.optimizer_states * sum(f.shard_bytes for f in trainable)
+        states += 4 * len(trainable) if cfg.step_tensors else 0
+        self.resident = {
+            "shards": sum(f.shard_bytes for u in units for f in u.flats),
+            "optimizer_state": int(states),
+            "buffers": trace.buffer_bytes,
+        }
+        self.temporaries = _optimizer_temporaries(trainable, cfg.optimizer_temporaries)
+        self.gathered: set[tuple[int, int]] = set()  # (unit, flat)
+        self.sends: dict[int, int] = {}  # unit -> its prefetch's send buffer, until waited
+        self.outs = 0  # reduce-scatter outputs waiting for the end of backward
+        self.host_staged = 0  # offload: reduced grads copied to host during backward
+        self.held = 0  # the backend's buffer for the reduce-scatter in flight
+        self.grads = 0  # fp32 shard grads, after the end of backward
+        self.host_at_end = 0  # offload: host bytes of grads while backward finishes
+        self.forward_order: list[int] = []  # units whose forward ran in this pass
+        self.recorded_forward = [m.unit for m in _firsts(trace.marks, "pre_forward")]
+        self.backward_order = [m.unit for m in _firsts(trace.marks, "pre_backward")]
+        self.started: set[int] = set()  # units whose backward began
+        self.reduced: set[tuple[int, int]] = set()
+        self.peak = Peak()
+
+    # -- the state as breakdown terms ---------------------------------------------------
+
+    def consider(self, traced: dict[str, int], phase: str, **extra: int) -> None:
+        terms = dict.fromkeys(TERMS, 0)
+        if not self.cfg.offload_to_host:
+            terms.update(self.resident)
+        else:
+            terms["buffers"] = self.resident["buffers"]
+        terms["gathered_units"] = sum(self._flat(u, f).full_bytes for u, f in self.gathered)
+        terms["gather_buffers"] = sum(self.sends.values())
+        terms["reduce_scatter_buffers"] = self.held
+        terms["gradients"] = self.outs + (0 if self.cfg.offload_to_host else self.grads)
+        for key in CATEGORIES:
+            terms[key] += traced.get(key, 0)
+        for key, value in extra.items():
+            terms[key] += value
+        total = sum(terms.values())
+        if total > self.peak.bytes:
+            self.peak = Peak(total, terms, phase)
+
+    def _flat(self, unit: int, flat: int) -> FlatLayout:
+        return self.units[unit].flats[flat]
+
+    def _send_bytes(self, unit: int) -> int:
+        """The all-gather's send buffer: the shard cast to the compute dtype (or copied to
+        the device from host memory), nothing when the shard itself can be sent."""
+        total = 0
+        for f in self.units[unit].flats:
+            if f.compute_dtype != f.master_dtype or self.cfg.offload_to_host:
+                total += f.shard_numel * f.compute_dtype.itemsize
+        return total
+
+    def _gather(self, unit: int) -> int:
+        """Allocate ``unit``'s full buffers; returns its send buffers' bytes (0 if it was
+        already gathered)."""
+        flats = [(unit, i) for i in range(len(self.units[unit].flats))]
+        if all(key in self.gathered for key in flats):
+            return 0
+        self.gathered.update(flats)
+        return self._send_bytes(unit)
+
+    def _reshard(self, unit: int, only_frozen: bool = False) -> None:
+        for i, f in enumerate(self.units[unit].flats):
+            if not only_frozen or not f.requires_grad:
+                self.gathered.discard((unit, i))
+
+    def _reduce_dtype(self, flat: FlatLayout) -> torch.dtype:
+        return self.cfg.reduce_dtype or flat.master_dtype
+
+
+def replay(units: list[UnitLayout], trace: StepTrace, cfg: ReplayConfig) -> Peak:
+    """The highest point of the step (forward, backward, end of backward, optimizer step)."""
+    r = _Replay(units, trace, cfg)
+    for mark in trace.marks:
+        name = units[mark.unit].name if mark.unit >= 0 else ""
+        label = _apply(r, mark, name)
+        r.consider(mark.peak_after, label)
+    final = trace.marks[-1].at
+    on_device = 0 if cfg.offload_to_host else r.temporaries  # offloaded: it steps on the host
+    r.consider(final, "optimizer step", optimizer_temporaries=on_device)
+    if cfg.offload_to_host:
+        host = r.resident["shards"] + r.resident["optimizer_state"]
+        r.peak.host_bytes = host + max(r.host_at_end, r.grads + r.temporaries)
+    return r.peak
+
+
+def _apply(r: _Replay, mark: Mark, name: str) -> str:
+    """Move the replay past ``mark`` (considering any spike inside it); returns the label
+    of the interval after it."""
+    kind, unit = mark.kind, mark.unit
+    if kind == "pre_forward":
+        _pre_forward(r, mark)
+        return f"forward of {name}"
+    if kind == "post_forward":
+        if not _keeps_full(r, unit):
+            r._reshard(unit)
+        if r.units[unit].is_root:  # end_of_root_forward: drop unused prefetches
+            for other in [u for u in r.sends if u not in r.forward_order]:
+                r._reshard(other)
+                del r.sends[other]
+        return f"forward, after {name}"
+    if kind == "pre_backward":
+        if unit not in r.started:
+            _pre_backward(r, mark)
+        return f"backward of {name}"
+    if kind == "post_backward":
+        _post_backward(r, mark, name)
+        return f"backward, after the reduce-scatter of {name}"
+    if kind == "end":
+        _end_of_backward(r, mark)
+        return "end of backward"
+    return "start of forward"
+
+
+def _pre_forward(r: _Replay, mark: Mark) -> None:
+    unit = mark.unit
+    r.forward_order.append(unit)
+    own = r.sends.pop(unit, 0) + r._gather(unit)
+    policy = r.cfg.prefetch
+    if policy is not None and policy.forward:
+        order = r.recorded_forward
+        at = order.index(unit)
+        for other in order[at + 1 : at + policy.max_in_flight]:
+            send = r._gather(other)
+            if send:
+                r.sends[other] = send
+    r.consider(mark.at, f"forward of {r.units[unit].name} (gathering)", gather_buffers=own)
+
+
+def _pre_backward(r: _Replay, mark: Mark) -> None:
+    unit = mark.unit
+    r.started.add(unit)
+    own = r.sends.pop(unit, 0) + r._gather(unit)
+    policy = r.cfg.prefetch
+    if policy is not None and policy.backward:
+        order = r.backward_order
+        at = order.index(unit)
+        for other in order[at + 1 : at + policy.max_in_flight]:
+            if other in r.started:
+                continue
+            send = r._gather(other)
+            if send:
+                r.sends[other] = send
+    r.consider(mark.at, f"backward of {r.units[unit].name} (gathering)", gather_buffers=own)
+
+
+def _keeps_full(r: _Replay, unit: int) -> bool:
+    """``Unit.keeps_full_after_forward`` in the steady state (orders recorded, on track)."""
+    if r.cfg.reshard_after_forward is not None:
+        return not r.cfg.reshard_after_forward
+    if r.units[unit].is_root:
+        return True
+    policy = r.cfg.prefetch
+    if policy is None or not policy.backward:
+        return False
+    first = next((u for u in r.backward_order if not r.units[u].is_root), None)
+    return first == unit
+
+
+def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
+    flat = r._flat(mark.unit, mark.flat)
+    reduce_dtype = r._reduce_dtype(flat)
+    r.held = 0  # wait_previous_reduce_scatter
+    out = flat.shard_numel * reduce_dtype.itemsize
+    kept = flat.padded_numel * reduce_dtype.itemsize if r.cfg.comm_keeps != "none" else 0
+    copy = kept if r.cfg.comm_keeps == "copy" else 0  # a new buffer, beside the input
+    label = f"backward of {name} (reduce-scatter)"
+    if reduce_dtype == flat.compute_dtype:  # the full gradient itself is reduced
+        r.consider(mark.at, label, reduce_scatter_buffers=copy, gradients=out)
+    else:  # cast, then the compute-dtype gradient is dropped before the output is made
+        cast = flat.padded_numel * reduce_dtype.itemsize
+        r.consider(mark.at, label, reduce_scatter_buffers=cast)
+        r.consider(
+            mark.at, label, full_gradients=-flat.full_bytes, reduce_scatter_buffers=cast + copy,
+            gradients=out,
+        )  # fmt: skip
+    r.outs += out
+    if r.cfg.offload_to_host:
+        r.host_staged += out
+    r.held = kept
+    r.gathered.discard((mark.unit, mark.flat))
+    r.reduced.add((mark.unit, mark.flat))
+    unit = r.units[mark.unit]
+    trainable = [(mark.unit, i) for i, f in enumerate(unit.flats) if f.requires_grad]
+    if not unit.has_nested and all(key in r.reduced for key in trainable):
+        r._reshard(mark.unit, only_frozen=True)  # frozen params freed once backward is done
+
+
+def _end_of_backward(r: _Replay, mark: Mark) -> None:
+    """``runtime.finish_backward``: every reduce-scatter waited for, results into fp32 shard
+    grads (a copy where the reduce dtype differs), every unit resharded."""
+    r.held = 0
+    grads = copies = 0
+    for u, i in r.reduced:
+        flat = r._flat(u, i)
+        grads += flat.shard_bytes
+        if r._reduce_dtype(flat) != flat.master_dtype:
+            copies += flat.shard_bytes
+    if r.cfg.offload_to_host:
+        r.host_at_end = r.host_staged + copies
+    elif copies:
+        r.consider(mark.at, "end of backward (shard grads)", gradients=copies)
+    r.outs = 0
+    r.grads = grads
+    r.gathered.clear()
+    r.sends.clear()
+
+
+def _firsts(marks: list[Mark], kind: str) -> list[Mark]:
+    seen: set[int] = set()
+    out = []
+    for m in marks:
+        if m.kind == kind and m.unit not in seen:
+            seen.add(m.unit)
+            out.append(m)
+    return out
+
+
+def _optimizer_temporaries(trainable: list[FlatLayout], kind: str) -> int:
+    """``trainable`` in the optimizer's order (``model.parameters()`` of the wrapped model:
+    the root's shards, then each unit's in module order)."""
+    if not trainable or kind == "none":
+        return 0
+    if kind == "foreach":  # _multi_tensor_adam: one sqrt per shard element, all at once
+        return sum(f.shard_bytes for f in trainable)
+    # _single_tensor_adam: denom = (exp_avg_sq.sqrt() / c).add_(eps), per shard; the
+    # previous shard's denom is dropped only once the new one is assigned.
+    sizes = [0] + [f.shard_bytes for f in trainable]
+    return max(prev + 2 * cur for prev, cur in zip(sizes, sizes[1:], strict=False))
