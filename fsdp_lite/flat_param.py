@@ -237,16 +237,17 @@ class FlatParam:
         if grad is None:
             return None
         ranks = self.world_size * self.replicas  # averaged over
-        out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
         with torch.no_grad():
             if _widening_pieces(grad, reduce_dtype) > 1:
+                out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
                 return PendingGrad(self, self._reduce_widened(grad, out), out, ranks)
-            grad = grad.to(reduce_dtype)
+            grad = grad.to(reduce_dtype)  # the compute-dtype gradient is dropped here
             # Low-precision sums could overflow: divide the full gradient first. In fp32,
             # divide the 1/W-sized result instead (one full-size pass saved).
             low_precision = reduce_dtype.itemsize < 4
             if low_precision:
                 grad.div_(ranks)
+            out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
             work = collectives.reduce_scatter_flat(out, grad, self.group, unit=self.unit_name)
         return PendingGrad(self, [work], out, 1 if low_precision else ranks)
 

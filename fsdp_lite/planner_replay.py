@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fsdp_lite import flat_param
 from fsdp_lite.api import PrefetchPolicy
 from fsdp_lite.planner_layout import FlatLayout, UnitLayout
 from fsdp_lite.planner_storage import CATEGORIES, Mark
@@ -247,32 +248,46 @@ def _keeps_full(r: _Replay, unit: int) -> bool:
 
 
 def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
+    """``Unit.post_backward``: the full buffer freed first, then the gradient (cast to the
+    reduce dtype, in pieces where it widens: ``FlatParam.reduce_scatter_grad``)."""
     flat = r._flat(mark.unit, mark.flat)
     reduce_dtype = r._reduce_dtype(flat)
+    r.gathered.discard((mark.unit, mark.flat))
     r.held = 0  # wait_previous_reduce_scatter
     out = flat.shard_numel * reduce_dtype.itemsize
-    kept = flat.padded_numel * reduce_dtype.itemsize if r.cfg.comm_keeps != "none" else 0
+    wide = flat.padded_numel * reduce_dtype.itemsize
+    pieces = _widening_pieces(flat, reduce_dtype)
+    kept = (wide if pieces == 1 else 0) if r.cfg.comm_keeps != "none" else 0
     copy = kept if r.cfg.comm_keeps == "copy" else 0  # a new buffer, beside the input
     label = f"backward of {name} (reduce-scatter)"
     if reduce_dtype == flat.compute_dtype:  # the full gradient itself is reduced
         r.consider(mark.at, label, reduce_scatter_buffers=copy, gradients=out)
+    elif pieces > 1:  # a piece at a time beside the gradient (two with a real backend)
+        piece = -(-flat.shard_numel // pieces) * flat.world_size * reduce_dtype.itemsize
+        in_flight = piece * (1 if r.cfg.comm_keeps == "none" else 2)
+        r.consider(mark.at, label, reduce_scatter_buffers=in_flight, gradients=out)
     else:  # cast, then the compute-dtype gradient is dropped before the output is made
-        cast = flat.padded_numel * reduce_dtype.itemsize
-        r.consider(mark.at, label, reduce_scatter_buffers=cast)
+        r.consider(mark.at, label, reduce_scatter_buffers=wide)
         r.consider(
-            mark.at, label, full_gradients=-flat.full_bytes, reduce_scatter_buffers=cast + copy,
+            mark.at, label, full_gradients=-flat.full_bytes, reduce_scatter_buffers=wide + copy,
             gradients=out,
         )  # fmt: skip
     r.outs += out
     if r.cfg.offload_to_host:
         r.host_staged += out
     r.held = kept
-    r.gathered.discard((mark.unit, mark.flat))
     r.reduced.add((mark.unit, mark.flat))
     unit = r.units[mark.unit]
     trainable = [(mark.unit, i) for i, f in enumerate(unit.flats) if f.requires_grad]
     if not unit.has_nested and all(key in r.reduced for key in trainable):
         r._reshard(mark.unit, only_frozen=True)  # frozen params freed once backward is done
+
+
+def _widening_pieces(flat: FlatLayout, reduce_dtype: torch.dtype) -> int:
+    """``flat_param._widening_pieces`` for a flat param that does not exist yet."""
+    if reduce_dtype.itemsize <= flat.compute_dtype.itemsize:
+        return 1
+    return -(-flat.padded_numel * reduce_dtype.itemsize // flat_param.WIDEN_PIECE_BYTES)
 
 
 def _end_of_backward(r: _Replay, mark: Mark) -> None:
