@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import train_ckpt
+import train_memory
 from train_config import Config, ConfigError, load_config
 from train_data import Batches, Corpus, load_data
 from train_log import (
@@ -146,11 +147,17 @@ def train(
     run_log.note(note + (f"; {start_note}" if start_note else ""))
     if done >= t.steps:
         run_log.note(f"nothing to do: the checkpoint is at step {done} of train.steps={t.steps}")
+    est = _planner_estimate(cfg, data.vocab_size, d, run_log)
     results: list[StepMetrics] = []
     start = time.perf_counter()
     for step in range(done + 1, t.steps + 1):
         lr = lr_at(step - 1, t)
-        r = trainer.step(lr, crash=_crash_now(cfg, step, d))
+        measure = est is not None and step == done + 2  # optimizer state exists by now
+        ctx = train_memory.measure_step(trainer.model, trainer.opt, d.device)
+        with ctx if measure else contextlib.nullcontext({}) as peak:
+            r = trainer.step(lr, crash=_crash_now(cfg, step, d))
+        if measure:
+            run_log.note(train_memory.report(est, peak["peak_bytes"]))
         results.append(r)
         scale = trainer.scaler.get_scale() if trainer.scaler.is_enabled() else None
         run_log.step(step, r, lr, scale)
@@ -164,6 +171,17 @@ def train(
 
         out = train_hf.export(cfg, trainer.model, tokenizer, d.rank)
         run_log.note(f"final model (Hugging Face format) saved to {out}")
+
+
+def _planner_estimate(
+    cfg: Config, vocab_size: int, d: Dist, run_log: RunLog
+) -> fsdp_lite.MemoryEstimate | None:
+    """``fsdp_lite.estimate_memory`` for this run, or None (said in the log) if it cannot."""
+    try:
+        return train_memory.estimate(cfg, vocab_size, d)
+    except Exception as e:  # the estimate is advice: a run it cannot model still trains
+        run_log.note(f"memory/rank: no planner estimate ({type(e).__name__}: {e})")
+        return None
 
 
 def _load_data(cfg: Config, world: int) -> tuple[Corpus, Any | None]:
