@@ -106,18 +106,21 @@ def run_rank(cfg: BenchConfig, precision: str, mode: str) -> dict[str, Any]:
     batches = make_batches(cfg, dist.get_rank(), cfg.warmup + cfg.steps, torch.device("cpu"))
     model = build(cfg, precision, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
-    first, times, losses = [], [], []
+    first, times, cpu, losses = [], [], [], []
     for i in range(cfg.warmup + cfg.steps):
         dist.barrier()  # every rank starts the step together: the slowest rank is the step
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = train_step(model, opt, batches[i], autocast=False)
         (first if i < cfg.warmup else times).append(time.perf_counter() - t0)
+        if i >= cfg.warmup:
+            cpu.append(time.process_time() - c0)
         losses.append(loss.item())
         if i == cfg.warmup - 1:
             graphs_after_warmup = _graphs()
     return {
         "first_steps_s": first,
         "step_times_s": times,
+        "step_cpu_s": cpu,
         "losses": losses,
         "graphs_after_warmup": graphs_after_warmup,
         "graphs_at_end": _graphs(),
@@ -178,12 +181,14 @@ def run_all(args: argparse.Namespace, cfg: BenchConfig) -> dict[str, dict[str, l
 def summarize(rounds: list[dict], cfg: BenchConfig, world: int) -> dict[str, Any]:
     """Medians over every timed step of every round; first steps of round 1 and later."""
     steps = [t for r in rounds for t in slowest(r["ranks"], "step_times_s")]
+    cpu = [t for r in rounds for t in slowest(r["ranks"], "step_cpu_s")]
     per_round = [statistics.median(slowest(r["ranks"], "step_times_s")) for r in rounds]
     first = [slowest(r["ranks"], "first_steps_s")[0] for r in rounds]
     ranks0 = [r["ranks"][0] for r in rounds]
     median = statistics.median(steps)
     return {
         "median_step_s": median,
+        "median_cpu_s": statistics.median(cpu),
         "tokens_per_s": world * cfg.batch * cfg.seq / median,
         "per_round_ms": [round(x * 1e3, 1) for x in per_round],
         "first_step_s_round1": first[0],
@@ -201,26 +206,31 @@ def _fmt_s(x: float | None) -> str:
 
 
 def table(precision: str, by_mode: dict[str, dict[str, Any]]) -> list[str]:
-    """Markdown rows of one precision: each mode, its speed against eager, its first step."""
+    """Markdown rows of one precision: each mode, its speed against eager (wall time: the
+    median of the round-by-round ratios; CPU time: of the pooled medians), its first step."""
     eager = by_mode["eager"]
     rows = [
         f"**{precision}**",
         "",
-        "| blocks | ms/step | tokens/s | vs eager | ms/step per round | first step s, "
-        "round 1 / later | compile s, round 1 / later | graphs after first steps / at end "
-        "| loss@0 | loss@last |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| blocks | ms/step | tokens/s | vs eager | CPU ms/step | vs eager | ms/step per round "
+        "| first step s, round 1 / later | compile s, round 1 / later | graphs after first "
+        "steps / at end | loss@0 | loss@last |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for mode, r in by_mode.items():
         keys = ("first_step_s_round1", "first_step_s_later")
         compile_s = [
             r[k] - eager[k] if mode != "eager" and r[k] is not None else None for k in keys
         ]
+        pairs = zip(eager["per_round_ms"], r["per_round_ms"], strict=True)
+        speedup = statistics.median(e / c for e, c in pairs)
         cells = [
             mode,
             f"{r['median_step_s'] * 1e3:.1f}",
             f"{r['tokens_per_s']:,.0f}",
-            f"{r['tokens_per_s'] / eager['tokens_per_s']:.2f}x",
+            f"{speedup:.2f}x",
+            f"{r['median_cpu_s'] * 1e3:.0f}",
+            f"{eager['median_cpu_s'] / r['median_cpu_s']:.2f}x",
             " / ".join(f"{x:.0f}" for x in r["per_round_ms"]),
             f"{_fmt_s(r['first_step_s_round1'])} / {_fmt_s(r['first_step_s_later'])}",
             f"{_fmt_s(compile_s[0])} / {_fmt_s(compile_s[1])}",
@@ -251,10 +261,13 @@ def report(args: argparse.Namespace, cfg: BenchConfig, summary: dict, info: dict
         "`compiled`: `fsdp_lite.compile_blocks(model, Block)` before wrapping (inductor, "
         f"fullgraph). Median of {cfg.steps} timed steps (slowest rank per step) after "
         f"{cfg.warmup} first steps, pooled over {args.rounds} interleaved round(s), each case "
-        "in fresh ranks. First step: wall time of step 1 (build excluded); compile s: the "
-        "compiled first step minus eager's, round 1 with an empty inductor cache, later rounds "
-        "from the cache round 1 filled (dynamo traces again in each fresh rank). Graphs: "
-        "dynamo's count after the first steps and after the timed ones (equal: no recompiles).",
+        "in fresh ranks; vs eager (wall): the median of the per-round ratios, which pairs "
+        "cases run close in time; CPU ms/step: CPU time of every thread of the slowest rank, "
+        "which other work on the machine barely moves. First step: wall time of step 1 (build "
+        "excluded); compile s: the compiled first step minus eager's, round 1 with an empty "
+        "inductor cache, later rounds from the cache round 1 filled (dynamo traces again in "
+        "each fresh rank). Graphs: dynamo's count after the first steps and after the timed "
+        "ones (equal: no recompiles).",
         "",
     ]
     for precision, by_mode in summary.items():
