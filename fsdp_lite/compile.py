@@ -26,6 +26,7 @@ method to the copy (a compiled bound method would keep running the original bloc
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -66,9 +67,10 @@ def compile_blocks(
     policy = _as_policy(policy_or_types)
     for name, m in model.named_modules():
         if unit_of(m) is not None or m.__dict__.get("_fsdp_lite_wrapped"):
+            where = f"at '{name}'" if name else "the model itself"
             raise ValueError(
-                f"fsdp_lite.compile_blocks: {name or type(model).__name__} is already wrapped "
-                "by FSDPModule; compile the blocks before wrapping the model"
+                f"fsdp_lite.compile_blocks: the model already holds an FSDPModule unit "
+                f"({where}); compile the blocks before wrapping the model"
             )
     compile_kwargs.setdefault("fullgraph", True)
     compiled_by_class: dict[type, Callable] = {}
@@ -80,7 +82,7 @@ def compile_blocks(
         if cls not in compiled_by_class:
             compiled_by_class[cls] = torch.compile(cls.forward, **compile_kwargs)
         fn = compiled_by_class[cls]
-        module.forward = types.MethodType(_calling(fn), module)
+        module.forward = types.MethodType(_calling(fn, cls.forward), module)
         module.__dict__[_MARK] = fn
         names.append(name)
     if not names:
@@ -96,9 +98,11 @@ def is_compiled(module: nn.Module) -> bool:
     return _MARK in module.__dict__
 
 
-def _calling(fn: Callable) -> Callable:
-    """``fn(self, ...)``, and on a graph break the unit inside ``self`` that caused it."""
+def _calling(fn: Callable, original: Callable) -> Callable:
+    """``fn(self, ...)``, and on a graph break the unit inside ``self`` that caused it; with
+    ``original``'s name and signature (``inspect.signature(block.forward)`` still works)."""
 
+    @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)

@@ -10,6 +10,8 @@ dynamo is reset between them.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import time
 from collections.abc import Callable
 
@@ -86,7 +88,8 @@ def _misuse_case(world: int) -> None:
     """Compiling after wrapping is refused; a unit inside a compiled block is named at the
     first forward (its hooks cannot be traced), before any of its collectives."""
     model = fsdp_lite.FSDPModule(gpt(), auto_wrap_policy=fsdp_lite.wrap.by_type(Block))
-    with pytest.raises(ValueError, match="already wrapped by FSDPModule; compile the blocks"):
+    wrapped = r"the model already holds an FSDPModule unit \(the model itself\); compile the"
+    with pytest.raises(ValueError, match=wrapped + " blocks before wrapping the model"):
         fsdp_lite.compile_blocks(model, Block)
     with pytest.raises(ValueError, match="picks no module of GPT"):
         fsdp_lite.compile_blocks(gpt(), torch.nn.Conv2d)
@@ -97,6 +100,28 @@ def _misuse_case(world: int) -> None:
     model = fsdp_lite.FSDPModule(inner, auto_wrap_policy=fsdp_lite.wrap.by_type(MLP))
     with pytest.raises(ValueError, match=r"the compiled Block holds the unit\(s\) mlp"):
         model(*token_batch(1, 0))
+
+
+def _deepcopy_case(world: int) -> None:
+    """A deep copy of a compiled model runs its own blocks (the compiled forward is bound to
+    each block, not captured from the original) and keeps the block's signature; wrapped,
+    it trains like the original wrapped."""
+    original = gpt()
+    fsdp_lite.compile_blocks(original, Block, backend="eager")
+    twin = copy.deepcopy(original)
+    assert twin.blocks[0].forward.__self__ is twin.blocks[0]
+    assert list(inspect.signature(twin.blocks[0].forward).parameters) == ["x"]
+    with torch.no_grad():
+        for p in twin.blocks[1].parameters():
+            p.zero_()  # the second block adds nothing: twin's output differs from original's
+    x = torch.randn(2, 16, 32)
+    assert torch.equal(twin.blocks[1](x), x)
+    assert not torch.equal(original.blocks[1](x), x)
+    losses = []
+    for model in (original, twin):
+        wrapped = wrap_blocks(model)
+        losses.append(wrapped(*token_batch(world, 0))[1].item())
+    assert losses[0] != losses[1], losses
 
 
 def _cases(rank: int, world: int) -> dict[str, str | None]:
@@ -120,6 +145,7 @@ def _cases(rank: int, world: int) -> dict[str, str | None]:
             timed("gpt bf16 compiled blocks = eager reference", lambda: _gpt_case("bf16", world)),
             timed("gpt fp32 compiled + checkpointed", lambda: _gpt_case("fp32", world, True)),
             timed("llama fp32 compiled decoder layers", lambda: _llama_case(world)),
+            timed("deep copy of a compiled model", lambda: _deepcopy_case(world)),
             timed("compile after wrapping, unit inside a block", lambda: _misuse_case(world)),
         ]
     )
