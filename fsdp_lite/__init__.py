@@ -14,6 +14,7 @@ from fsdp_lite.collectives import (
     hybrid_groups,
     set_divergence_check,
 )
+from fsdp_lite.compile import compile_blocks
 from fsdp_lite.fsdp import FSDPModule
 from fsdp_lite.grad_scaler import ShardedGradScaler
 from fsdp_lite.hf_checkpoint import load_pretrained, save_pretrained
@@ -45,6 +46,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "checkpoint_wrapper",
     "comm_stats",
+    "compile_blocks",
     "estimate_memory",
     "full_optim_state_dict",
     "load_checkpoint",

@@ -82,6 +82,12 @@ class FSDPConfig:
         100_000, "`wrap: size`: a module (not a ModuleList/Dict) becomes a unit at this many params"
     )
     activation_checkpointing: bool = opt(False, "recompute each block's activations in backward")
+    compile: bool = opt(
+        False,
+        "`torch.compile` each transformer block's forward before wrapping (inductor, "
+        "`fsdp_lite.compile_blocks`; not with `wrap: size`); the first steps include compile "
+        "time",
+    )
     prefetch: int = opt(1, "units gathered ahead of the running one, forward and backward (0: off)")
     offload: str = opt("none", "where shards, grads and optimizer state live: none, cpu or ssd")
     offload_dir: str | None = opt(
@@ -227,6 +233,11 @@ def _value_checks(cfg: Config) -> list[tuple[str, bool, str]]:
         ("fsdp.mixed_precision", f.mixed_precision in DTYPES, " or ".join(DTYPES)),
         ("fsdp.wrap", f.wrap in WRAPS, " or ".join(WRAPS)),
         ("fsdp.wrap_min_params", f.wrap_min_params >= 1, ">= 1"),
+        (
+            "fsdp.compile",
+            not (f.compile and f.wrap == "size"),
+            "false with fsdp.wrap=size (a unit could sit inside a compiled block)",
+        ),
         ("fsdp.prefetch", f.prefetch >= 0, ">= 0 (0 disables prefetching)"),
         ("fsdp.offload", f.offload in OFFLOADS, " or ".join(OFFLOADS)),
         ("fsdp.shard_size", (f.shard_size or 1) >= 1, ">= 1 or null"),

@@ -167,6 +167,16 @@ def build_model(cfg: Config, vocab_size: int, d: Dist) -> tuple[fsdp_lite.FSDPMo
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     inner, blocks = _inner_model(cfg, vocab_size)
     n_params = sum(p.numel() for p in inner.parameters())
+    if f.compile:  # before wrapping: fsdp_lite's hooks stay outside the compiled forwards
+        compiled = fsdp_lite.compile_blocks(inner, blocks)
+        if d.rank == 0:
+            kinds = "/".join(c.__name__ for c in blocks)
+            print(
+                f"fsdp.compile: torch.compile (inductor, fullgraph) of the forward of "
+                f"{len(compiled)} blocks ({kinds}), {compiled[0]} .. {compiled[-1]}; the first "
+                "steps include compile time",
+                flush=True,
+            )
     dtype = DTYPES[f.mixed_precision]
     mp = None if dtype == torch.float32 else fsdp_lite.MixedPrecision(dtype, torch.float32)
     groups = None

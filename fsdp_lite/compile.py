@@ -1,0 +1,155 @@
+"""Compile the blocks of a model with ``torch.compile``, in a way that composes with units.
+
+[Note: compile the forward, not the call]
+A unit's step runs from forward hooks on the wrapped module (see ``unit.py``): they gather,
+install fresh views of the full buffer at the parameter attributes, prefetch, and reshard.
+Those hooks must run eagerly around the compiled region, never inside it:
+
+- ``block.compile()`` compiles ``nn.Module._call_impl``, so dynamo traces the hooks too:
+  the collectives, ``.data`` swaps, ``requires_grad_`` and grad-hook registration are all
+  graph breaks (a GPT block: 9 graphs and 7 kinds of break at step 1, 3 more graphs at
+  step 2 when the prefetch order is recorded).
+- ``torch.compile(block)`` returns an ``OptimizedModule`` whose forward calls the block's
+  ``__call__``: the same traced hooks, plus an ``_orig_mod.`` in every state-dict key, and
+  an auto-wrap policy by block type no longer matches it.
+- Compiling only ``forward`` (what this file does) leaves ``_call_impl`` and its hooks
+  eager: the compiled region is the block's math, one graph with no break, reading the
+  parameter views as graph inputs (guarded by shape, dtype and stride, not identity, so a
+  new view every step does not recompile). The block stays an instance of its class, so
+  ``wrap.by_type`` still matches it, and the state-dict keys are unchanged.
+
+One compiled function per class, ``torch.compile(type(block).forward)``, bound to each block
+with ``types.MethodType``: every block of a class shares dynamo's cache for that code (one
+graph for all blocks, not one per block), and ``copy.deepcopy`` of the model rebinds the
+method to the copy (a compiled bound method would keep running the original block).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_lite.tree import unit_of
+
+_MARK = "_fsdp_lite_compiled"  # in a compiled block's __dict__: the compiled function
+
+
+def compile_blocks(
+    model: nn.Module,
+    policy_or_types: Callable[[nn.Module], bool] | type[nn.Module] | tuple[type[nn.Module], ...],
+    **compile_kwargs: Any,
+) -> list[str]:
+    """Compile the ``forward`` of every submodule of ``model`` that ``policy_or_types`` picks.
+
+    Call before ``FSDPModule``: ``compile_blocks(model, Block)`` then
+    ``FSDPModule(model, auto_wrap_policy=wrap.by_type(Block))``. fsdp_lite's hooks then run
+    eagerly around each compiled block (see the Note in ``fsdp_lite/compile.py``).
+
+    Args:
+        model: the unwrapped model (compiled in place; a picked ``model`` itself too).
+        policy_or_types: a block class, a tuple of them, or a policy ``fn(module) -> bool``
+            (e.g. ``wrap.by_type(...)``). A picked module's descendants are not compiled
+            separately: they are part of its compiled region.
+        compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode``, ``dynamic``,
+            ``options``...). ``fullgraph`` defaults to ``True``: a graph break inside a
+            block -- including a unit wrapped inside it, whose hooks cannot be traced --
+            fails at its first forward instead of silently running in pieces.
+
+    Returns the names of the compiled modules. Raises ``ValueError`` if ``model`` already
+    holds a unit (compile before wrapping), if a picked module was compiled already, or if
+    nothing was picked.
+    """
+    policy = _as_policy(policy_or_types)
+    for name, m in model.named_modules():
+        if unit_of(m) is not None or m.__dict__.get("_fsdp_lite_wrapped"):
+            where = f"at '{name}'" if name else "the model itself"
+            raise ValueError(
+                f"fsdp_lite.compile_blocks: the model already holds an FSDPModule unit "
+                f"({where}); compile the blocks before wrapping the model"
+            )
+    compile_kwargs.setdefault("fullgraph", True)
+    compiled_by_class: dict[type, Callable] = {}
+    names: list[str] = []
+    for name, module in _picked(model, policy):
+        if _MARK in module.__dict__:
+            raise ValueError(f"fsdp_lite.compile_blocks: {name or 'the model'} is compiled already")
+        cls = type(module)
+        if cls not in compiled_by_class:
+            compiled_by_class[cls] = torch.compile(cls.forward, **compile_kwargs)
+        fn = compiled_by_class[cls]
+        module.forward = types.MethodType(_calling(fn, cls.forward), module)
+        module.__dict__[_MARK] = fn
+        names.append(name)
+    if not names:
+        raise ValueError(
+            f"fsdp_lite.compile_blocks: {policy_or_types!r} picks no module of "
+            f"{type(model).__name__}"
+        )
+    return names
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Was ``module``'s forward compiled by :func:`compile_blocks`?"""
+    return _MARK in module.__dict__
+
+
+def _calling(fn: Callable, original: Callable) -> Callable:
+    """``fn(self, ...)``, and on a graph break the unit inside ``self`` that caused it; with
+    ``original``'s name and signature (``inspect.signature(block.forward)`` still works)."""
+
+    @functools.wraps(original)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except torch._dynamo.exc.Unsupported as e:
+            inner = [n for n, m in self.named_modules() if n and unit_of(m) is not None]
+            if inner:
+                raise ValueError(
+                    f"fsdp_lite.compile_blocks: the compiled {type(self).__name__} holds the "
+                    f"unit(s) {', '.join(inner)}, whose hooks cannot run inside a compiled "
+                    "region; make the compiled blocks the units (auto_wrap_policy by the same "
+                    "classes), or compile the modules inside them"
+                ) from e
+            raise
+
+    return forward
+
+
+def _as_policy(
+    policy_or_types: Callable[[nn.Module], bool] | type[nn.Module] | tuple[type[nn.Module], ...],
+) -> Callable[[nn.Module], bool]:
+    classes = (policy_or_types,) if isinstance(policy_or_types, type) else policy_or_types
+    if isinstance(classes, tuple) and classes:
+        if all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            return lambda m: isinstance(m, classes)
+    elif callable(classes):
+        return classes
+    raise TypeError(
+        f"fsdp_lite.compile_blocks needs nn.Module classes or a policy, got {policy_or_types!r}"
+    )
+
+
+def _picked(model: nn.Module, policy: Callable[[nn.Module], bool]) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` for each module ``policy`` picks, outermost first, each once; not
+    below a picked module, never a ModuleList/ModuleDict (no forward of its own)."""
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, name: str) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if not isinstance(module, nn.ModuleList | nn.ModuleDict) and policy(module):
+            out.append((name, module))
+            return
+        for child_name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{name}.{child_name}" if name else child_name)
+
+    visit(model, "")
+    return out
