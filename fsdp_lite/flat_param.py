@@ -238,9 +238,10 @@ class FlatParam:
             return None
         ranks = self.world_size * self.replicas  # averaged over
         with torch.no_grad():
-            if _widening_pieces(grad, reduce_dtype) > 1:
+            pieces = widening_pieces(grad.numel(), grad.dtype, reduce_dtype)
+            if pieces > 1:
                 out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
-                return PendingGrad(self, self._reduce_widened(grad, out), out, ranks)
+                return PendingGrad(self, self._reduce_widened(grad, out, pieces), out, ranks)
             grad = grad.to(reduce_dtype)  # the compute-dtype gradient is dropped here
             # Low-precision sums could overflow: divide the full gradient first. In fp32,
             # divide the 1/W-sized result instead (one full-size pass saved).
@@ -251,12 +252,14 @@ class FlatParam:
             work = collectives.reduce_scatter_flat(out, grad, self.group, unit=self.unit_name)
         return PendingGrad(self, [work], out, 1 if low_precision else ranks)
 
-    def _reduce_widened(self, grad: torch.Tensor, out: torch.Tensor) -> list[collectives.Handle]:
+    def _reduce_widened(
+        self, grad: torch.Tensor, out: torch.Tensor, pieces: int
+    ) -> list[collectives.Handle]:
         """Reduce-scatter a low-precision ``grad`` in a wider dtype, a slice of columns of
         its (W, shard) layout at a time, so the wide copy never exists whole (see
         WIDEN_PIECE_BYTES); at most two pieces in flight."""
         columns = grad.view(self.world_size, self.shard_numel)
-        step = -(-self.shard_numel // _widening_pieces(grad, out.dtype))
+        step = -(-self.shard_numel // pieces)
         works: list[collectives.Handle] = []
         for lo in range(0, self.shard_numel, step):
             hi = min(lo + step, self.shard_numel)
@@ -279,10 +282,11 @@ class FlatParam:
 WIDEN_PIECE_BYTES = 64 * 2**20
 
 
-def _widening_pieces(grad: torch.Tensor, reduce_dtype: torch.dtype) -> int:
-    if reduce_dtype.itemsize <= grad.element_size():
+def widening_pieces(numel: int, grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> int:
+    """How many pieces a gradient of ``numel`` elements is reduce-scattered in (1: whole)."""
+    if reduce_dtype.itemsize <= grad_dtype.itemsize:
         return 1
-    return -(-grad.numel() * reduce_dtype.itemsize // WIDEN_PIECE_BYTES)
+    return -(-numel * reduce_dtype.itemsize // WIDEN_PIECE_BYTES)
 
 
 def _build_shard(

@@ -41,7 +41,8 @@ from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.offload import CPUOffload, SSDOffload
 from fsdp_lite.planner_layout import UnitLayout, layout_units
 from fsdp_lite.planner_replay import TERMS, ReplayConfig, replay
-from fsdp_lite.planner_trace import StepTrace, tensors_in, trace_step
+from fsdp_lite.planner_trace import StepTrace, trace_step
+from fsdp_lite.unit import tensors_in
 from fsdp_lite.wrap import Policy
 
 _MiB = 2**20

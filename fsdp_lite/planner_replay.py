@@ -203,35 +203,35 @@ def _apply(r: _Replay, mark: Mark, name: str) -> str:
 
 
 def _pre_forward(r: _Replay, mark: Mark) -> None:
-    unit = mark.unit
-    r.forward_order.append(unit)
-    own = r.sends.pop(unit, 0) + r._gather(unit)
+    r.forward_order.append(mark.unit)
+    own = r.sends.pop(mark.unit, 0) + r._gather(mark.unit)
     policy = r.cfg.prefetch
     if policy is not None and policy.forward:
-        order = r.recorded_forward
-        at = order.index(unit)
-        for other in order[at + 1 : at + policy.max_in_flight]:
-            send = r._gather(other)
-            if send:
-                r.sends[other] = send
-    r.consider(mark.at, f"forward of {r.units[unit].name} (gathering)", gather_buffers=own)
+        _prefetch(r, mark.unit, r.recorded_forward, policy, skip=set())
+    r.consider(mark.at, f"forward of {r.units[mark.unit].name} (gathering)", gather_buffers=own)
 
 
 def _pre_backward(r: _Replay, mark: Mark) -> None:
-    unit = mark.unit
-    r.started.add(unit)
-    own = r.sends.pop(unit, 0) + r._gather(unit)
+    r.started.add(mark.unit)
+    own = r.sends.pop(mark.unit, 0) + r._gather(mark.unit)
     policy = r.cfg.prefetch
     if policy is not None and policy.backward:
-        order = r.backward_order
-        at = order.index(unit)
-        for other in order[at + 1 : at + policy.max_in_flight]:
-            if other in r.started:
-                continue
-            send = r._gather(other)
-            if send:
-                r.sends[other] = send
-    r.consider(mark.at, f"backward of {r.units[unit].name} (gathering)", gather_buffers=own)
+        _prefetch(r, mark.unit, r.backward_order, policy, skip=r.started)
+    r.consider(mark.at, f"backward of {r.units[mark.unit].name} (gathering)", gather_buffers=own)
+
+
+def _prefetch(
+    r: _Replay, unit: int, order: list[int], policy: PrefetchPolicy, skip: set[int]
+) -> None:
+    """``RootContext.next_units``: gather the units after ``unit`` in ``order`` (not those in
+    ``skip``, whose backward already ran), each send buffer held until its unit waits."""
+    at = order.index(unit)
+    for other in order[at + 1 : at + policy.max_in_flight]:
+        if other in skip:
+            continue
+        send = r._gather(other)
+        if send:
+            r.sends[other] = send
 
 
 def _keeps_full(r: _Replay, unit: int) -> bool:
@@ -256,7 +256,7 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
     r.held = 0  # wait_previous_reduce_scatter
     out = flat.shard_numel * reduce_dtype.itemsize
     wide = flat.padded_numel * reduce_dtype.itemsize
-    pieces = _widening_pieces(flat, reduce_dtype)
+    pieces = flat_param.widening_pieces(flat.padded_numel, flat.compute_dtype, reduce_dtype)
     kept = (wide if pieces == 1 else 0) if r.cfg.comm_keeps != "none" else 0
     copy = kept if r.cfg.comm_keeps == "copy" else 0  # a new buffer, beside the input
     label = f"backward of {name} (reduce-scatter)"
@@ -281,13 +281,6 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
     trainable = [(mark.unit, i) for i, f in enumerate(unit.flats) if f.requires_grad]
     if not unit.has_nested and all(key in r.reduced for key in trainable):
         r._reshard(mark.unit, only_frozen=True)  # frozen params freed once backward is done
-
-
-def _widening_pieces(flat: FlatLayout, reduce_dtype: torch.dtype) -> int:
-    """``flat_param._widening_pieces`` for a flat param that does not exist yet."""
-    if reduce_dtype.itemsize <= flat.compute_dtype.itemsize:
-        return 1
-    return -(-flat.padded_numel * reduce_dtype.itemsize // flat_param.WIDEN_PIECE_BYTES)
 
 
 def _end_of_backward(r: _Replay, mark: Mark) -> None:

@@ -33,9 +33,8 @@ of fsdp_lite's step (``planner_replay.py``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +55,7 @@ from fsdp_lite.planner_storage import (
     StorageTracker,
 )
 from fsdp_lite.runtime import cast_floats, in_backward
+from fsdp_lite.unit import tensors_in
 
 
 @dataclass
@@ -259,27 +259,6 @@ def _hook_outputs(output: Any, fire: Callable[[], None]) -> None:
         elif t.grad_fn not in nodes:
             nodes.add(t.grad_fn)
             t.grad_fn.register_prehook(lambda grads: fire())
-
-
-def tensors_in(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
-    """Tensors in nested tuples, lists, mappings and dataclass instances."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-        return
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, Mapping):
-        values = list(obj.values())
-    elif isinstance(obj, list | tuple):
-        values = list(obj)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        values = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
-    else:
-        return
-    for value in values:
-        yield from tensors_in(value, seen)
 
 
 def _install_fp32_modules(

@@ -257,7 +257,7 @@ class Unit:
         one (reading this output as its input) learns that its backward is over, and frees
         its frozen parameters, before this unit gathers (see the Note above)."""
         nodes = set()
-        for t in _tensors_in(output):
+        for t in tensors_in(output):
             if not t.requires_grad:
                 continue
             if t.grad_fn is None:
@@ -329,7 +329,7 @@ class Unit:
             return
         if recompute and self.watches:
             return  # a non-reentrant recompute: the forward's watch still stands
-        tensors = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
+        tensors = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
         if not tensors:
             return
         watch = _Watch()
@@ -396,7 +396,7 @@ def _unsharded_trainable(root: nn.Module) -> list[str]:
     ]
 
 
-def _tensors_in(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
+def tensors_in(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
     """Every tensor in nested tuples, lists, mappings and dataclass instances."""
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -414,7 +414,7 @@ def _tensors_in(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor
         return
     seen.add(id(obj))
     for value in values:
-        yield from _tensors_in(value, seen)
+        yield from tensors_in(value, seen)
 
 
 def _outside_inference_mode() -> contextlib.AbstractContextManager:

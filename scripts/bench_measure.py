@@ -88,7 +88,7 @@ def peak_from_profile(
     prof: profile, device: torch.device, label: str = "bench::step"
 ) -> dict[str, float]:
     """Peak and resident live bytes inside the profiled ``label`` regions after the first."""
-    nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+    nodes = list(walk(prof.profiler.kineto_results.experimental_event_tree()))
     steps = sorted((n.start_time_ns, n.end_time_ns) for n in nodes if n.name == label)
     windows = steps[1:] or steps
     live = peak = 0
@@ -102,10 +102,10 @@ def peak_from_profile(
     return {"peak_bytes": float(peak), "resident_bytes": float(resident or 0)}
 
 
-def _walk(nodes: list) -> Iterator:
+def walk(nodes: list) -> Iterator:
     for n in nodes:
         yield n
-        yield from _walk(n.children)
+        yield from walk(n.children)
 
 
 def _memory_deltas(nodes: list, device: torch.device, steps: list) -> list[tuple[int, int]]:
@@ -129,16 +129,16 @@ def _memory_deltas(nodes: list, device: torch.device, steps: list) -> list[tuple
             continue
         if f.alloc_size > 0:
             if f.ptr in live:  # reused: its free was missed
-                deltas.append(_missed_free(live.pop(f.ptr), n.start_time_ns, steps))
+                deltas.append(missed_free(live.pop(f.ptr), n.start_time_ns, steps))
             live[f.ptr] = n
             deltas.append((n.start_time_ns, f.alloc_size))
         elif live.pop(f.ptr, None) is not None:
             deltas.append((n.start_time_ns, f.alloc_size))
-    deltas += [_missed_free(n, 2**63, steps) for n in live.values()]
+    deltas += [missed_free(n, 2**63, steps) for n in live.values()]
     return sorted(deltas)
 
 
-def _missed_free(alloc: Any, reused_at: int, steps: list) -> tuple[int, int]:
+def missed_free(alloc: Any, reused_at: int, steps: list) -> tuple[int, int]:
     t = alloc.start_time_ns
     end = next((b for a, b in steps if a <= t <= b), reused_at)
     p = alloc.parent

@@ -37,7 +37,8 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_measure import _missed_free, _walk, peak_from_profile  # noqa: E402
+from bench import write_markdown  # noqa: E402
+from bench_measure import missed_free, peak_from_profile, walk  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
@@ -253,12 +254,12 @@ def _events(nodes: list, device: torch.device, steps: list) -> list[tuple[int, i
         if f.alloc_size > 0:
             if f.ptr in live:
                 old = live.pop(f.ptr)
-                events.append((*_missed_free(old, n.start_time_ns, steps), old))
+                events.append((*missed_free(old, n.start_time_ns, steps), old))
             live[f.ptr] = n
             events.append((n.start_time_ns, f.alloc_size, n))
         elif (old := live.pop(f.ptr, None)) is not None:
             events.append((n.start_time_ns, f.alloc_size, old))
-    events += [(*_missed_free(n, 2**63, steps), n) for n in live.values()]
+    events += [(*missed_free(n, 2**63, steps), n) for n in live.values()]
     events.sort(key=lambda e: (e[0], e[1]))
     return events
 
@@ -266,7 +267,7 @@ def _events(nodes: list, device: torch.device, steps: list) -> list[tuple[int, i
 def live_at_peak(prof: profile, device: torch.device, top: int = 25) -> dict[str, Any]:
     """When the peak of the counted steps happens, what is live then (by origin), and the
     peak of each phase (forward, backward, optimizer step)."""
-    nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+    nodes = list(walk(prof.profiler.kineto_results.experimental_event_tree()))
     steps = sorted((n.start_time_ns, n.end_time_ns) for n in nodes if n.name == "bench::step")
     windows = steps[1:] or steps
     events = _events(nodes, device, steps)
@@ -506,6 +507,8 @@ def report(fig: dict[str, int], results: list, info: dict) -> str:
     largest = max(fig["root_params"], fig["block_params"]) * COMPUTE_DTYPE.itemsize
     lines = [
         BEGIN,
+        "## Scale: per-rank memory as W grows",
+        "",
         f"Run {info['date']}, torch {torch.__version__}, commit {info['commit']}, "
         f"{info['runtime_s']:.0f} s for the whole table:",
         "",
@@ -542,17 +545,6 @@ def report(fig: dict[str, int], results: list, info: dict) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(path: Path, block: str) -> None:
-    """Replace the bench-scale block of ``path``, or append one (creating the file)."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n## Scale: per-rank memory as W grows\n\n" + block + "\n"
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     names = {f.name for f in dataclasses.fields(ScaleConfig)}
@@ -580,7 +572,7 @@ def main(argv: list[str] | None = None) -> None:
     print(block)
     print(f"[bench-scale] whole table: {info['runtime_s']:.0f} s")
     if not args.no_write:
-        write_markdown(args.out, block)
+        write_markdown(args.out, block, BEGIN, END)
         args.json.write_text(json.dumps({"info": info, "results": results}, indent=1))
         print(f"[bench-scale] wrote {args.out} and {args.json}")
 
