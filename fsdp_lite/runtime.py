@@ -70,6 +70,7 @@ class RootContext:
     forward_order: ExecOrder = field(default_factory=ExecOrder)
     backward_order: ExecOrder = field(default_factory=ExecOrder)
     prefetched: set[Unit] = field(default_factory=set)  # gathered ahead, not yet run
+    counting: list[Unit] = field(default_factory=list)  # kept full; saved views counted
 
     def next_units(self, unit: Unit, backward: bool) -> list[Unit]:
         """Record ``unit`` in this pass's order and return the units to prefetch now."""
@@ -92,6 +93,7 @@ def reset(ctx: RootContext) -> None:
     for unit in ctx.units:
         unit.end_backward()
     ctx.prefetched.clear()
+    ctx.counting.clear()
     ctx.callback_queued = False
 
 
@@ -117,6 +119,21 @@ def end_of_root_forward(ctx: RootContext) -> None:
         if unit.state is TrainingState.IDLE:
             unit.reshard()
     ctx.prefetched.clear()
+
+
+def free_unread(ctx: RootContext) -> None:
+    """Free the full parameters of every unit whose backward started and whose full
+    buffers no tensor saved for backward reads any more (see saved_views.py)."""
+    if not ctx.counting:
+        return
+    backward = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+    keep = []
+    for unit in ctx.counting:
+        if unit.state not in backward or unit.saved_views.count:
+            keep.append(unit)
+        else:
+            unit.reshard()
+    ctx.counting[:] = keep
 
 
 def in_backward() -> bool:
@@ -161,5 +178,6 @@ def finish_backward(ctx: RootContext) -> None:
         for unit in ctx.units:
             unit.end_backward()
         ctx.prefetched.clear()
+        ctx.counting.clear()
         ctx.backward_order.freeze()
         ctx.callback_queued = False

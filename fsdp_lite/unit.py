@@ -47,6 +47,7 @@ from fsdp_lite import accounting, collectives, runtime
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.flat_param import FlatParam, shard_ranks
 from fsdp_lite.offload import DeviceHome
+from fsdp_lite.saved_views import SavedViews
 from fsdp_lite.state import TrainingState, check_state
 from fsdp_lite.tree import (
     calling_modules,
@@ -90,6 +91,8 @@ class Unit:
         self.ctx: runtime.RootContext | None = None  # shared by every unit of the root's tree
         self.name = type(module).__name__  # the module path, from lazy init on
         self.frozen_early = False  # frozen flat params freed in backward (see Note)
+        # With nested units: counts saved views of the full buffers (saved_views.py).
+        self.saved_views: SavedViews | None = None
         self.watches: weakref.WeakSet = weakref.WeakSet()  # forward calls awaiting input grads
         self.grads_pending: set[int] = set()  # id of trainable flats not reduced this backward
         self.enclosure_checked = False  # see _check_enclosing_modules
@@ -134,14 +137,27 @@ class Unit:
             with accounting.region("fsdp_lite::unshard"):
                 self.unshard_with_prefetch(backward=False)
                 self.use_full_params()
+            self._count_saved_views()
         self._watch_inputs(args, kwargs)
         return (args, kwargs)
+
+    def _count_saved_views(self) -> None:
+        """A unit that keeps its full parameters for a backward that starts before its
+        own ends (it has nested units) counts what autograd saves of them (see
+        saved_views.py), so they can be freed once nothing saved reads them."""
+        views = self.saved_views
+        if views is not None and torch.is_grad_enabled() and self.keeps_full_after_forward():
+            views.push(self.flat_params)
+            if self not in self.ctx.counting:
+                self.ctx.counting.append(self)
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """After forward (``output is None`` also after an exception in it: see
         ``register_hooks``)."""
         if self.state is not TrainingState.FORWARD:
             return  # a recompute in backward, or pre_forward refused to start
+        if self.saved_views is not None:
+            self.saved_views.pop()
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and output is not None:
             self.register_pre_backward(output)
@@ -218,6 +234,8 @@ class Unit:
                 flat.unit_name, flat.unit_key = unit.name, id(unit)
         for unit in units:
             unit.frozen_early = _frees_frozen_early(unit, units)
+            if any(unit_of(m) is not None for m in unit.module.modules()):
+                unit.saved_views = SavedViews()
             check_replicas_agree(unit)
 
     # -- gather and free -------------------------------------------------------------
@@ -280,6 +298,7 @@ class Unit:
             )
         if self.state is not TrainingState.IDLE:
             return
+        runtime.free_unread(ctx)
         with accounting.region("fsdp_lite::pre_backward"):
             self.state = TrainingState.PRE_BACKWARD
             self.grads_pending = {id(f) for f in self.flat_params if f.requires_grad}
