@@ -21,6 +21,7 @@ from torch import nn
 
 from fsdp_lite import accounting, collectives
 from fsdp_lite.offload import DeviceHome
+from fsdp_lite.saved_views import freed_parameter
 
 # Every shard nn.Parameter carries (ranks it is a slice of, replicas its grad is averaged
 # over too), so code that sees only parameters -- an optimizer's step hooks, the grad
@@ -204,6 +205,14 @@ class FlatParam:
             placeholder = torch.empty(slot.shape, dtype=self.compute_dtype, device="meta")
             for module, attr in slot.locations:
                 setattr(module, attr, placeholder)
+
+    def use_freed(self) -> None:
+        """After a free inside backward (saved_views.py): a ``FreedParameter`` at every
+        original location, so a later read raises instead of reading freed memory."""
+        for slot in self.slots:
+            freed = freed_parameter(slot.shape, self.compute_dtype, self.unit_name or "?")
+            for module, attr in slot.locations:
+                module.__dict__[attr] = freed
 
     def load_full(self, flat: torch.Tensor) -> None:
         """Overwrite this rank's shard from an unpadded full flat tensor (no communication)."""

@@ -132,7 +132,7 @@ def free_unread(ctx: RootContext) -> None:
         if unit.state not in backward or unit.saved_views.count:
             keep.append(unit)
         else:
-            unit.reshard()
+            unit.free_unread()
     ctx.counting[:] = keep
 
 

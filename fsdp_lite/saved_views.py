@@ -15,23 +15,32 @@ such a unit runs forward, a saved-tensors hook counts each saved tensor whose da
 in one of its full buffers, and autograd drops the count as it releases them, right
 after their nodes run. Once the unit's backward has started and nothing saved reads its
 buffers, the next pre-backward of any unit frees them (``runtime.free_unread``), before
-it gathers its own. A recompute in backward (activation checkpointing) that reads them
-gathers them again, as any recompute does.
+it gathers its own, and puts a :class:`FreedParameter` at each of their locations: a
+later read raises an error naming the unit, never reads freed memory. The unit's own
+recompute (it is checkpointed) gathers them again, as any recompute does. Only where
+``reshard_after_forward`` is left to the default: ``False`` keeps them to the unit's
+post-backward, as before.
 
 Only units with nested units count (a leaf unit's post-backward comes right after its
-last node anyway). The hook wraps whatever hooks are active around the forward (the
-user's ``save_on_cpu``, an enclosing unit's count): each tensor goes through those too.
+last node anyway), and only where no nested unit's modules hold their parameters (a tie
+into a nested unit): the hooks step aside while a nested unit runs forward, so what its
+modules save is not counted. (A module that reads the unit's parameters from inside a
+nested unit without being in its module tree -- passed in as an argument -- is outside
+this argument too.) The hooks wrap whatever hooks are active around the forward (the
+user's ``save_on_cpu``): each tensor goes through those as well.
+
+The planner's trace counts the same way (``planner_trace.py``), on fake buffers.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
-from fsdp_lite.flat_param import FlatParam
-
 _hooks = torch._C._autograd
+_local = threading.local()  # .counting: the SavedViews whose hooks are pushed, innermost last
 
 
 class _Saved:
@@ -54,41 +63,79 @@ class SavedViews:
 
     def __init__(self) -> None:
         self.count = 0  # saved tensors alive that lie in one of the full buffers
-        self._pushed: Any = None  # the pack hook while counting
+        self._pair: tuple[Any, Any] | None = None  # pack/unpack, while the forward runs
+        self._on_stack = False
 
-    def push(self, flats: list[FlatParam]) -> None:
-        """Count from now on (the unit's forward starts); nothing where hooks are disabled."""
-        if self._pushed is not None or not _hooks._saved_tensors_hooks_is_enabled():
+    def start(self, buffers: list[torch.Tensor]) -> None:
+        """The unit's forward starts: count what is saved of ``buffers`` from now on
+        (nothing where saved-tensor hooks are disabled)."""
+        if self._pair is not None or not _hooks._saved_tensors_hooks_is_enabled():
             return
-        ranges = [
-            (ptr, ptr + flat.full_nbytes)
-            for flat in flats
-            if flat.is_unsharded and (ptr := flat.full_data.data_ptr())
-        ]
-        pack, unpack = _hooks_around(self, ranges, _hooks._top_saved_tensors_default_hooks(True))
-        _hooks._push_saved_tensors_default_hooks(pack, unpack)
-        self._pushed = pack
+        storages = {b.untyped_storage()._cdata for b in buffers}
+        self._pair = _hooks_around(self, storages, _hooks._top_saved_tensors_default_hooks(True))
+        self._push()
+        _counting().append(self)
 
-    def pop(self) -> None:
-        """Stop counting (the unit's forward is over); saved views stay counted."""
-        if self._pushed is None:
+    def stop(self) -> None:
+        """The unit's forward is over; what was saved stays counted."""
+        if self._pair is None:
             return
+        self._pop()
+        self._pair = None
+        stack = _counting()
+        if self in stack:
+            stack.remove(self)
+
+    def _push(self) -> None:
+        _hooks._push_saved_tensors_default_hooks(*self._pair)
+        self._on_stack = True
+
+    def _pop(self) -> bool:
         top = _hooks._top_saved_tensors_default_hooks(True)
-        if top is not None and top[0] is self._pushed:
-            _hooks._pop_saved_tensors_default_hooks()
-        self._pushed = None
+        if not self._on_stack or top is None or top[0] is not self._pair[0]:
+            return False  # not ours on top: leave the stack as it is
+        _hooks._pop_saved_tensors_default_hooks()
+        self._on_stack = False
+        return True
+
+
+def pause_enclosing() -> SavedViews | None:
+    """A nested unit's forward starts: the enclosing unit's hooks step aside (returned,
+    for :func:`resume`), so its modules' saved tensors cost no hook call."""
+    stack = _counting()
+    if stack and stack[-1]._pop():
+        return stack[-1]
+    return None
+
+
+def resume(views: SavedViews | None) -> None:
+    """The nested unit's forward is over: the paused hooks count again."""
+    if views is not None and views._pair is not None and not views._on_stack:
+        views._push()
+
+
+def _counting() -> list[SavedViews]:
+    stack = getattr(_local, "counting", None)
+    if stack is None:
+        stack = _local.counting = []
+    return stack
 
 
 def _hooks_around(
-    views: SavedViews, ranges: list[tuple[int, int]], outer: tuple[Any, Any] | None
+    views: SavedViews, storages: set[int], outer: tuple[Any, Any] | None
 ) -> tuple[Any, Any]:
-    """A pack/unpack pair that counts tensors in ``ranges`` and passes every tensor through
-    the ``outer`` pair first (they would have packed it, had this pair not been pushed)."""
+    """A pack/unpack pair that counts tensors whose storage is in ``storages`` and passes
+    every tensor through the ``outer`` pair (which would have packed it, had this pair not
+    been pushed)."""
     outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
     def pack(tensor: torch.Tensor) -> Any:
         inner = tensor if outer_pack is None else outer_pack(tensor)
-        return _Saved(inner, views) if _in_ranges(tensor, ranges) else inner
+        try:
+            mine = tensor.untyped_storage()._cdata in storages
+        except (RuntimeError, NotImplementedError):  # no storage (sparse): not a view
+            mine = False
+        return _Saved(inner, views) if mine else inner
 
     def unpack(packed: Any) -> torch.Tensor:
         if type(packed) is _Saved and packed.views is views:
@@ -98,9 +145,32 @@ def _hooks_around(
     return pack, unpack
 
 
-def _in_ranges(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
-    try:
-        ptr = tensor.data_ptr()
-    except RuntimeError:  # no data (a fake or sparse tensor): not a view of a full buffer
-        return False
-    return any(lo <= ptr < hi for lo, hi in ranges)
+class FreedParameter(torch.Tensor):
+    """Where a parameter was, once its unit's full buffers were freed inside backward:
+    shape, dtype and device answer; any computation raises an error that says why."""
+
+    unit = "?"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") == "__get__" or func is torch.Tensor.__repr__:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        freed = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, FreedParameter)]
+        unit = freed[0].unit if freed else cls.unit
+        raise RuntimeError(
+            f"fsdp_lite: {getattr(func, '__name__', func)} read a parameter of {unit} after "
+            "its full parameters were freed in backward, once autograd had released every "
+            "tensor it saved from them (see fsdp_lite/saved_views.py). Something read them "
+            "again in this backward without saving them: torch.utils.checkpoint around "
+            f"modules of {unit} outside its nested units, or a custom autograd.Function "
+            "keeping a parameter outside ctx.save_for_backward. Pass "
+            f"reshard_after_forward=False to the FSDPModule of {unit} to keep them until its "
+            "post-backward."
+        )
+
+
+def freed_parameter(shape: torch.Size, dtype: torch.dtype, unit: str) -> FreedParameter:
+    t = torch.Tensor._make_subclass(FreedParameter, torch.empty(shape, dtype=dtype, device="meta"))
+    t.unit = unit
+    return t

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite import accounting, collectives, runtime
+from fsdp_lite import accounting, collectives, runtime, saved_views
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.flat_param import FlatParam, shard_ranks
 from fsdp_lite.offload import DeviceHome
@@ -93,6 +93,7 @@ class Unit:
         self.frozen_early = False  # frozen flat params freed in backward (see Note)
         # With nested units: counts saved views of the full buffers (saved_views.py).
         self.saved_views: SavedViews | None = None
+        self._paused: SavedViews | None = None  # an enclosing unit's, during this forward
         self.watches: weakref.WeakSet = weakref.WeakSet()  # forward calls awaiting input grads
         self.grads_pending: set[int] = set()  # id of trainable flats not reduced this backward
         self.enclosure_checked = False  # see _check_enclosing_modules
@@ -137,6 +138,7 @@ class Unit:
             with accounting.region("fsdp_lite::unshard"):
                 self.unshard_with_prefetch(backward=False)
                 self.use_full_params()
+            self._paused = saved_views.pause_enclosing()
             self._count_saved_views()
         self._watch_inputs(args, kwargs)
         return (args, kwargs)
@@ -146,18 +148,29 @@ class Unit:
         own ends (it has nested units) counts what autograd saves of them (see
         saved_views.py), so they can be freed once nothing saved reads them."""
         views = self.saved_views
-        if views is not None and torch.is_grad_enabled() and self.keeps_full_after_forward():
-            views.push(self.flat_params)
+        if views is None or self.reshard_after_forward is not None:
+            return
+        if torch.is_grad_enabled() and self.keeps_full_after_forward():
+            views.start([f.full_data for f in self.flat_params if f.is_unsharded])
             if self not in self.ctx.counting:
                 self.ctx.counting.append(self)
+
+    def free_unread(self) -> None:
+        """``runtime.free_unread``: nothing saved reads the full buffers any more."""
+        for flat in self.flat_params:
+            if flat.is_unsharded:
+                flat.reshard()
+                flat.use_freed()
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """After forward (``output is None`` also after an exception in it: see
         ``register_hooks``)."""
+        if self.saved_views is not None:
+            self.saved_views.stop()
+        saved_views.resume(self._paused)
+        self._paused = None
         if self.state is not TrainingState.FORWARD:
             return  # a recompute in backward, or pre_forward refused to start
-        if self.saved_views is not None:
-            self.saved_views.pop()
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and output is not None:
             self.register_pre_backward(output)
@@ -234,7 +247,7 @@ class Unit:
                 flat.unit_name, flat.unit_key = unit.name, id(unit)
         for unit in units:
             unit.frozen_early = _frees_frozen_early(unit, units)
-            if any(unit_of(m) is not None for m in unit.module.modules()):
+            if _counts_saved_views(unit, units):
                 unit.saved_views = SavedViews()
             check_replicas_agree(unit)
 
@@ -394,6 +407,21 @@ def _frees_frozen_early(unit: Unit, units: list[Unit]) -> bool:
         for other in units
         if other is not unit
         for flat in other.flat_params
+        for slot in flat.slots
+        for module, _ in slot.locations
+    )
+
+
+def _counts_saved_views(unit: Unit, units: list[Unit]) -> bool:
+    """Does ``unit`` count saved views of its full buffers (see saved_views.py)? Where it
+    has nested units, and none of them holds one of its parameters."""
+    nested = [u for m in unit.module.modules() if (u := unit_of(m)) is not None]
+    if not nested:
+        return False
+    inside = {id(m) for u in nested for m in region_modules(u.module)}
+    return not any(
+        id(module) in inside
+        for flat in unit.flat_params
         for slot in flat.slots
         for module, _ in slot.locations
     )
