@@ -9,7 +9,9 @@ Each term is one named line of the breakdown, each following one place of the co
 - ``buffers``: the model's buffers on the compute device (``prepare_buffers``).
 - ``gathered_units``: full buffers allocated now (``FlatParam.unshard`` .. ``reshard``):
   the running unit's, the prefetched ones' (``PrefetchPolicy``), the root's and, by default,
-  the first unit in backward order after it, kept from forward (``keeps_full_after_forward``).
+  the first unit in backward order after it, kept from forward (``keeps_full_after_forward``);
+  a unit with nested units until nothing saved reads it (``saved_views.py``; the trace's
+  ``free_unread`` mark).
 - ``gather_buffers``: the shard cast to the compute dtype that an all-gather sends, kept
   until the gather is waited for (``FlatParam._gather_send``).
 - ``full_gradients``: (traced) a unit's parameter gradients in the compute dtype until
@@ -193,6 +195,10 @@ def _apply(r: _Replay, mark: Mark, name: str) -> str:
         if unit not in r.started:
             _pre_backward(r, mark)
         return f"backward of {name}"
+    if kind == "free_unread":  # runtime.free_unread: nothing saved reads it any more
+        if r.cfg.reshard_after_forward is None and _keeps_full(r, unit):
+            r._reshard(unit)
+        return f"backward, after freeing {name}"
     if kind == "post_backward":
         _post_backward(r, mark, name)
         return f"backward, after the reduce-scatter of {name}"

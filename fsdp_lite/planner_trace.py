@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ from fsdp_lite.planner_storage import (
     StorageTracker,
 )
 from fsdp_lite.runtime import cast_floats, in_backward
+from fsdp_lite.saved_views import SavedViews, pause_enclosing, resume
 from fsdp_lite.unit import tensors_in
 
 
@@ -203,9 +204,10 @@ def _install_unit_hooks(
 ) -> None:
     """Marks where fsdp_lite's unit hooks run: pre/post forward on the unit's module, pre
     backward on its outputs' gradient nodes, post backward when a full gradient is done."""
+    counts = _SavedCounts(tracker)
     for index, (unit, unit_fulls) in enumerate(zip(units, fulls, strict=True)):
         cast_to = mp.param_dtype if unit.is_root and mp is not None and mp.cast_inputs else None
-        hooks = _UnitHooks(index, unit, unit_fulls, tracker, cast_to)
+        hooks = _UnitHooks(index, unit, unit_fulls, tracker, counts, cast_to)
         module = unit.module
         handle = module.register_forward_pre_hook(hooks.pre_forward, prepend=True, with_kwargs=True)
         undo.callback(handle.remove)
@@ -218,28 +220,58 @@ def _install_unit_hooks(
 
 
 @dataclass
+class _SavedCounts:
+    """``saved_views.py`` in the trace: a unit whose backward started and whose full
+    buffers nothing saved reads any more gets a ``free_unread`` mark at the next unit's
+    pre-backward (``runtime.free_unread``); the replay frees it where fsdp_lite would."""
+
+    tracker: StorageTracker
+    views: dict[int, SavedViews] = field(default_factory=dict)  # unit index -> its count
+    started: set[int] = field(default_factory=set)  # units whose backward started
+
+    def pre_backward(self, index: int) -> None:
+        for unit, views in list(self.views.items()):
+            if unit in self.started and not views.count:
+                self.tracker.mark("free_unread", unit)
+                del self.views[unit]
+        self.started.add(index)
+        self.tracker.mark("pre_backward", index)
+
+
+@dataclass
 class _UnitHooks:
     index: int
     unit: UnitLayout
     fulls: list[torch.Tensor]
     tracker: StorageTracker
+    counts: _SavedCounts
     cast_to: torch.dtype | None  # the root casts float inputs (MixedPrecision.cast_inputs)
+    own: SavedViews | None = None  # this forward's count (Unit._count_saved_views)
+    paused: SavedViews | None = None  # an enclosing unit's, during this forward
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if in_backward():  # a recompute: fsdp_lite treats it as the pre-backward
-            self.tracker.mark("pre_backward", self.index)
+            self.counts.pre_backward(self.index)
             return None
         self.tracker.mark("pre_forward", self.index)
         for flat, full in zip(self.unit.flats, self.fulls, strict=True):
             _use_views(flat, full, self.tracker)
+        self.paused = pause_enclosing()
+        if self.unit.counts_saved_views and torch.is_grad_enabled():
+            self.own = self.counts.views.setdefault(self.index, SavedViews())
+            self.own.start(self.fulls)
         return cast_floats((args, kwargs), self.cast_to) if self.cast_to is not None else None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         if in_backward():
             return
+        if self.own is not None:
+            self.own.stop()
+        resume(self.paused)
+        self.own = self.paused = None
         self.tracker.mark("post_forward", self.index)
         if torch.is_grad_enabled():
-            _hook_outputs(out, functools.partial(self.tracker.mark, "pre_backward", self.index))
+            _hook_outputs(out, functools.partial(self.counts.pre_backward, self.index))
 
 
 def _post_backward(tracker: StorageTracker, unit: int, flat: int, full: torch.Tensor) -> None:

@@ -11,7 +11,8 @@ One step of one unit, top to bottom in this file:
 
     pre_forward      (root: lazy init, recover, cast inputs) gather + prefetch, views
     post_forward     hook the outputs for pre-backward; reshard unless kept
-    pre_backward     gather again + prefetch (the first output gradient to arrive)
+    pre_backward     free units nothing saved reads (``saved_views.py``); gather again
+                     + prefetch (the first output gradient to arrive)
     post_backward    per trainable flat param: reduce-scatter its gradient, reshard
     inputs_done      frozen flat params resharded once the unit's backward is over
     finish_backward  (root, ``runtime.py``) results into shard grads, all units IDLE
