@@ -1,4 +1,5 @@
-"""The only module that calls torch.distributed.
+"""The only module that calls torch.distributed (with ``exchange.py``, its transport for
+reduce-scatters and all-gathers on gloo).
 
 Everything that talks to other ranks goes through the free functions here, which
 take everything they need as arguments. They count calls and bytes per collective
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_lite import accounting
+from fsdp_lite import accounting, exchange
 from fsdp_lite.accounting import comm_stats, reset_comm_stats  # noqa: F401 - re-exported
 
 ProcessGroup = dist.ProcessGroup
@@ -268,7 +269,10 @@ def all_gather_flat(
     device = comm_device(group, output.device)
     out = output if output.device == device else torch.empty_like(output, device=device)
     with _peer_errors("all_gather", unit):
-        work = _all_gather_flat(out, _staged(shard, device), group=group, async_op=True)
+        if exchange.applies(group, out):
+            work = exchange.all_gather(out, _staged(shard, device), group)
+        else:
+            work = _all_gather_flat(out, _staged(shard, device), group=group, async_op=True)
     handle = Handle(work, unit, device, group, _copy_back(output, out))
     if not async_op:
         handle.wait()
@@ -292,7 +296,10 @@ def reduce_scatter_flat(
     device = comm_device(group, output.device)
     out = output if output.device == device else torch.empty_like(output, device=device)
     with _peer_errors("reduce_scatter", unit):
-        work = _reduce_scatter_flat(out, _staged(full, device), group=group, async_op=True)
+        if exchange.applies(group, out):
+            work = exchange.reduce_scatter(out, _staged(full, device), group)
+        else:
+            work = _reduce_scatter_flat(out, _staged(full, device), group=group, async_op=True)
     return Handle(work, unit, device, group, _copy_back(output, out))
 
 

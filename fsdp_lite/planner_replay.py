@@ -19,8 +19,10 @@ Each term is one named line of the breakdown, each following one place of the co
 - ``reduce_scatter_buffers``: the full gradient cast to the reduce dtype, at the
   post-backward; and, on a real backend, what the process group keeps of the one
   reduce-scatter in flight until the next unit's post-backward waits for it
-  (``runtime.wait_previous_reduce_scatter``): gloo reduces a clone of its input, NCCL keeps
-  the input itself (the cast, or the full gradient). The fake backend keeps nothing.
+  (``runtime.wait_previous_reduce_scatter``): gloo up to ``exchange.MAX_RANKS`` ranks keeps
+  the input and receives (W-1)/W of it beside it (``exchange.py``), gloo beyond reduces a
+  clone of its input, NCCL keeps the input itself (the cast, or the full gradient). The
+  fake backend keeps nothing.
 - ``gradients``: the reduce-scatter outputs (shard-sized, reduce dtype) waiting in
   ``RootContext.pending`` for the end of backward, then the fp32 shard grads they become
   (``PendingGrad.finish``; a copy where the reduce dtype is not the master dtype).
@@ -71,8 +73,9 @@ class ReplayConfig:
     optimizer_states: float  # states per trainable shard element
     optimizer_temporaries: str  # "none", "per_tensor" or "foreach" (see _optimizer_temporaries)
     step_tensors: bool  # a 4-byte step count per shard (Adam) in this memory
-    # What the backend keeps for the reduce-scatter in flight: "copy" (gloo clones the
-    # input), "input" (NCCL stashes the input itself), "none" (fake backend, one rank).
+    # What the backend keeps for the reduce-scatter in flight: "exchange" (gloo up to
+    # exchange.MAX_RANKS: the input and (W-1)/W of it received), "copy" (gloo beyond: it
+    # clones the input), "input" (NCCL stashes the input itself), "none" (fake, one rank).
     comm_keeps: str
 
 
@@ -263,14 +266,18 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
     out = flat.shard_numel * reduce_dtype.itemsize
     wide = flat.padded_numel * reduce_dtype.itemsize
     pieces = flat_param.widening_pieces(flat.padded_numel, flat.compute_dtype, reduce_dtype)
-    kept = (wide if pieces == 1 else 0) if r.cfg.comm_keeps != "none" else 0
-    copy = kept if r.cfg.comm_keeps == "copy" else 0  # a new buffer, beside the input
+    keeps = r.cfg.comm_keeps
+    received = (flat.world_size - 1) / flat.world_size  # an exchange's, per byte sent
+    kept = (wide if pieces == 1 else 0) if keeps != "none" else 0
+    copy = {"copy": kept, "exchange": int(kept * received)}.get(keeps, 0)  # beside the input
+    kept += copy if keeps == "exchange" else 0
     label = f"backward of {name} (reduce-scatter)"
     if reduce_dtype == flat.compute_dtype:  # the full gradient itself is reduced
         r.consider(mark.at, label, reduce_scatter_buffers=copy, gradients=out)
     elif pieces > 1:  # a piece at a time beside the gradient (two with a real backend)
         piece = -(-flat.shard_numel // pieces) * flat.world_size * reduce_dtype.itemsize
-        in_flight = piece * (1 if r.cfg.comm_keeps == "none" else 2)
+        per_piece = {"none": 1, "exchange": 2 * (1 + received)}.get(keeps, 2)
+        in_flight = int(piece * per_piece)
         r.consider(mark.at, label, reduce_scatter_buffers=in_flight, gradients=out)
     else:  # cast, then the compute-dtype gradient is dropped before the output is made
         r.consider(mark.at, label, reduce_scatter_buffers=wide)

@@ -29,6 +29,9 @@ _PG_METHODS = {
     **dict.fromkeys(_SCATTERS, ("reduce_scatter", 1)),  # the input does
     **dict.fromkeys(("allreduce", "allreduce_coalesced"), ("all_reduce", 0)),
     "broadcast": ("broadcast", 0),
+    # fsdp_lite's reduce-scatters and all-gathers on gloo are direct exchanges of messages
+    # (fsdp_lite/exchange.py): each send is counted as what it puts on the wire.
+    "send": ("send", 0),
 }
 
 
@@ -45,7 +48,7 @@ def wire_bytes(kind: str, nbytes: int, world: int) -> float:
     share = (world - 1) / world
     if kind == "all_reduce":  # a reduce-scatter plus an all-gather
         return 2 * share * nbytes
-    if kind == "broadcast":
+    if kind in ("broadcast", "send"):
         return float(nbytes)
     return share * nbytes
 

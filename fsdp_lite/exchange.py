@@ -1,0 +1,156 @@
+"""Reduce-scatter and all-gather on gloo as one direct exchange between every pair of ranks.
+
+gloo has no reduce-scatter of its own: torch's gloo backend all-reduces a copy of the
+whole input and keeps this rank's slice, sending twice the bytes a reduce-scatter needs.
+Here every rank posts at once, for every other rank, a send of the chunk that rank owns
+and a receive of its own chunk as that rank holds it (2(W-1) messages); on ``wait`` the
+received chunks are summed into the output. The all-gather is the same exchange without
+the sum: every rank sends its shard to every other rank, straight into the output.
+
+Measured with 3 MiB fp32 buffers on this project's 2-core CPU machine (two interleaved
+runs of 30 calls): reduce-scatter at W=2 3.5/3.7 ms for gloo's, 1.0/2.2 ms exchanged; at
+W=4 8.6/7.0 against 2.8/2.4. All-gather at W=2 2.0/2.1 against 1.6/1.7; at W=4 3.4/4.0
+against 1.8/1.9.
+
+A daemon thread waits for the messages, exchange after exchange in issue order, and sums a
+reduce-scatter's chunks as soon as they arrive; ``Exchange.wait(timeout)`` waits for that
+thread's word. (gloo's own wait on a message with a timeout closes the connection when
+the timeout runs out, and ``collectives.py`` waits in short timeouts to watch for
+diverged ranks.)
+
+Each exchange's messages carry a tag from a per-group counter, so two exchanges in flight
+(a prefetched gather beside a reduce-scatter) never take each other's messages: the
+counter advances identically on every rank, since every rank issues the same collectives
+in the same order (what ``collectives.GUARD`` checks). Memory: the input is kept until
+the sends are done, and a reduce-scatter holds (W-1) received chunks until its ``wait``.
+Used up to ``MAX_RANKS`` ranks (2(W-1) messages per rank per collective); beyond that,
+and on any other backend, ``collectives.py`` calls the process group's own collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MAX_RANKS = 8
+_TAGS = 1 << 20
+_sequence: dict[int, int] = {}  # id(group) -> exchanges issued on it
+# What c10d's Work.wait(timeout) raises when the timeout runs out (collectives.py watches
+# for it and waits again).
+WAIT_TIMED_OUT = "Operation timed out!"
+
+
+def applies(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether a collective on ``group`` over ``tensor`` goes through an exchange."""
+    size = group.size()
+    return (
+        1 < size <= MAX_RANKS and tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
+    )
+
+
+class Exchange:
+    """The messages of one exchange in flight; ``wait`` behaves as a ``Work``'s."""
+
+    def __init__(self, works: list[Any], keep: list[torch.Tensor], finish: Any = None) -> None:
+        self._works = works
+        self._keep = keep  # what the sends read and the receives write, until done
+        self._finish = finish  # the sum of a reduce-scatter, once everything arrived
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        _waiter().put(self)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        seconds = None if timeout is None else timeout.total_seconds()
+        if not self._done.wait(seconds):
+            raise RuntimeError(WAIT_TIMED_OUT)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def complete(self) -> None:
+        """On the waiting thread: every message, then the sum."""
+        try:
+            for work in self._works:
+                work.wait()
+            if self._finish is not None:
+                self._finish()
+        except BaseException as e:  # handed to the caller of wait()
+            self._error = e
+        finally:
+            self._works, self._keep, self._finish = [], [], None
+            self._done.set()
+
+
+_queue: queue.SimpleQueue | None = None
+
+
+def _waiter() -> queue.SimpleQueue:
+    """The queue of the thread that waits for every exchange, started on first use."""
+    global _queue
+    if _queue is None:
+        _queue = queue.SimpleQueue()
+        thread = threading.Thread(target=_wait_forever, args=(_queue,), daemon=True)
+        thread.name = "fsdp_lite-exchange"
+        thread.start()
+    return _queue
+
+
+def _wait_forever(pending: queue.SimpleQueue) -> None:
+    while True:
+        pending.get().complete()
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> Exchange:
+    """Sum ``full`` over ``group`` and leave this rank's contiguous 1/W slice in ``output``."""
+    size, me = group.size(), group.rank()
+    _check_sizes("reduce_scatter", output, full, size)
+    chunks = full.view(size, -1)
+    received = torch.empty((size - 1, chunks.shape[1]), dtype=full.dtype, device=full.device)
+    ops = []
+    for i, peer in enumerate(p for p in range(size) if p != me):
+        ops += [(dist.isend, chunks[peer], peer), (dist.irecv, received[i], peer)]
+    works = _issue(ops, group)
+
+    def finish() -> None:
+        torch.add(chunks[me], received[0], out=output)
+        for more in received[1:]:
+            output.add_(more)
+
+    return Exchange(works, [full, received], finish)
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Exchange:
+    """Every rank's equal-sized ``shard`` into ``output``, in rank order."""
+    size, me = group.size(), group.rank()
+    _check_sizes("all_gather", shard, output, size)
+    chunks = output.view(size, -1)
+    chunks[me].copy_(shard)
+    ops = []
+    for peer in (p for p in range(size) if p != me):
+        ops += [(dist.isend, shard, peer), (dist.irecv, chunks[peer], peer)]
+    return Exchange(_issue(ops, group), [shard, output])
+
+
+def _check_sizes(op: str, part: torch.Tensor, whole: torch.Tensor, size: int) -> None:
+    """Refused here, before any message, as the process group's collective would be."""
+    if part.numel() * size != whole.numel() or part.dtype != whole.dtype:
+        raise ValueError(
+            f"{op}: {size} ranks need a {tuple(whole.shape)} {whole.dtype} tensor to be "
+            f"{size} x the {tuple(part.shape)} {part.dtype} one"
+        )
+    if not (part.is_contiguous() and whole.is_contiguous()):
+        raise ValueError(f"{op}: the tensors must be contiguous")
+
+
+def _issue(ops: list[tuple], group: dist.ProcessGroup) -> list[Any]:
+    """Post ``(isend or irecv, tensor, group rank)`` messages under the next tag."""
+    key = id(group)
+    tag = _sequence.get(key, 0)
+    _sequence[key] = (tag + 1) % _TAGS
+    p2p = [dist.P2POp(fn, t, group=group, tag=tag, group_peer=peer) for fn, t, peer in ops]
+    return dist.batch_isend_irecv(p2p)
