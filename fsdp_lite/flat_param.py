@@ -261,6 +261,50 @@ class FlatParam:
             work = collectives.reduce_scatter_flat(out, grad, self.group, unit=self.unit_name)
         return PendingGrad(self, [work], out, 1 if low_precision else ranks)
 
+    def reduce_scatter_slot(
+        self, index: int, grad: torch.Tensor, reduce_dtype: torch.dtype
+    ) -> PendingGrad:
+        """Start the reduce-scatter of one slot's gradient alone (zeros everywhere else in
+        the flat param): column pieces of the (W, shard) layout, each assembled straight
+        from ``grad`` (no full-size buffer), at most two in flight; a piece no rank's slot
+        reaches is not sent (the layout, hence the choice, is the same on every rank)."""
+        slot, width, world = self.slots[index], self.shard_numel, self.world_size
+        slot_end = slot.offset + slot.numel
+        ranks = world * self.replicas
+        low_precision = reduce_dtype.itemsize < 4
+        source = grad.detach().reshape(-1)
+        out = torch.zeros(width, dtype=reduce_dtype, device=grad.device)
+        step = max(1, WIDEN_PIECE_BYTES // (world * reduce_dtype.itemsize))
+        works: list[collectives.Handle] = []
+        with torch.no_grad():
+            for lo in range(0, width, step):
+                hi = min(lo + step, width)
+                rows = [
+                    (
+                        r,
+                        max(r * width + lo, slot.offset),
+                        min(r * width + hi, slot_end),
+                    )
+                    for r in range(world)
+                ]
+                rows = [(r, a, b) for r, a, b in rows if a < b]
+                if not rows:
+                    continue
+                if len(works) >= 2:
+                    works[-2].wait()
+                piece = torch.zeros((world, hi - lo), dtype=reduce_dtype, device=grad.device)
+                for r, a, b in rows:
+                    start = a - r * width - lo
+                    piece[r, start : start + b - a].copy_(source[a - slot.offset : b - slot.offset])
+                if low_precision:
+                    piece.div_(ranks)
+                works.append(
+                    collectives.reduce_scatter_flat(
+                        out[lo:hi], piece.view(-1), self.group, unit=self.unit_name
+                    )
+                )
+        return PendingGrad(self, works, out, 1 if low_precision else ranks)
+
     def _reduce_widened(
         self, grad: torch.Tensor, out: torch.Tensor, pieces: int
     ) -> list[collectives.Handle]:

@@ -202,6 +202,9 @@ def _apply(r: _Replay, mark: Mark, name: str) -> str:
         if r.cfg.reshard_after_forward is None and _keeps_full(r, unit):
             r._reshard(unit)
         return f"backward, after freeing {name}"
+    if kind == "early_reduce":
+        _early_reduce(r, mark, name)
+        return f"backward, after the early reduce-scatter of {name}"
     if kind == "post_backward":
         _post_backward(r, mark, name)
         return f"backward, after the reduce-scatter of {name}"
@@ -294,6 +297,22 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
     trainable = [(mark.unit, i) for i, f in enumerate(unit.flats) if f.requires_grad]
     if not unit.has_nested and all(key in r.reduced for key in trainable):
         r._reshard(mark.unit, only_frozen=True)  # frozen params freed once backward is done
+
+
+def _early_reduce(r: _Replay, mark: Mark, name: str) -> None:
+    """``Unit.reduce_slot_now`` (early_grads.py): one slot's gradient reduce-scattered in
+    pieces of the (W, shard) layout beside it, its output waiting for the end of backward."""
+    flat = r._flat(mark.unit, mark.flat)
+    reduce_dtype = r._reduce_dtype(flat)
+    out = flat.shard_numel * reduce_dtype.itemsize
+    step = max(1, flat_param.WIDEN_PIECE_BYTES // (flat.world_size * reduce_dtype.itemsize))
+    piece = min(step, flat.shard_numel) * flat.world_size * reduce_dtype.itemsize
+    in_flight = piece * (1 if r.cfg.comm_keeps == "none" else 2)
+    label = f"backward of {name} (early reduce-scatter)"
+    r.consider(mark.at, label, reduce_scatter_buffers=in_flight, gradients=out)
+    r.outs += out
+    if r.cfg.offload_to_host:
+        r.host_staged += out
 
 
 def _end_of_backward(r: _Replay, mark: Mark) -> None:

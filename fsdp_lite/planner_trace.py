@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
+from fsdp_lite import early_grads
 from fsdp_lite.api import MixedPrecision
 from fsdp_lite.planner_layout import FlatLayout, UnitLayout
 from fsdp_lite.planner_storage import (
@@ -162,8 +163,9 @@ def _use_views(flat: FlatLayout, full: torch.Tensor, tracker: StorageTracker | N
             module._parameters[attr] = view
 
 
-def _tag_grad(tracker: StorageTracker, grad: torch.Tensor) -> None:
-    tracker.tag(grad, FULL_GRADIENTS)
+def _tag_grad(tracker: StorageTracker, grad: torch.Tensor | None) -> None:
+    if grad is not None:  # None: every place of it was reduced early (_EarlyReduce)
+        tracker.tag(grad, FULL_GRADIENTS)
 
 
 def _swap_buffers(
@@ -205,6 +207,9 @@ def _install_unit_hooks(
     """Marks where fsdp_lite's unit hooks run: pre/post forward on the unit's module, pre
     backward on its outputs' gradient nodes, post backward when a full gradient is done."""
     counts = _SavedCounts(tracker)
+    for index, unit in enumerate(units):
+        if unit.has_nested:
+            _hook_early_reduces(units, index, counts, undo)
     for index, (unit, unit_fulls) in enumerate(zip(units, fulls, strict=True)):
         cast_to = mp.param_dtype if unit.is_root and mp is not None and mp.cast_inputs else None
         hooks = _UnitHooks(index, unit, unit_fulls, tracker, counts, cast_to)
@@ -228,6 +233,13 @@ class _SavedCounts:
     tracker: StorageTracker
     views: dict[int, SavedViews] = field(default_factory=dict)  # unit index -> its count
     started: set[int] = field(default_factory=set)  # units whose backward started
+
+    def early_reduce(self, unit: int, flat: int, nested: set[int]) -> bool:
+        """A large gradient arrived: reduced now (marked) if no nested unit started."""
+        if nested & self.started:
+            return False
+        self.tracker.mark("early_reduce", unit, flat)
+        return True
 
     def pre_backward(self, index: int) -> None:
         for unit, views in list(self.views.items()):
@@ -272,6 +284,44 @@ class _UnitHooks:
         self.tracker.mark("post_forward", self.index)
         if torch.is_grad_enabled():
             _hook_outputs(out, functools.partial(self.counts.pre_backward, self.index))
+
+
+def _hook_early_reduces(
+    units: list[UnitLayout], index: int, counts: _SavedCounts, undo: contextlib.ExitStack
+) -> None:
+    """``early_grads.install``: before a module holding a large trainable parameter of the
+    unit runs, an alias whose backward marks ``early_reduce`` (and passes nothing on) when
+    no nested unit's backward has started."""
+    unit = units[index]
+    inside = {id(m) for m in unit.module.modules() if m is not unit.module}
+    nested = {j for j, other in enumerate(units) if id(other.module) in inside}
+    for f, flat in enumerate(unit.flats):
+        if not flat.requires_grad:
+            continue
+        for slot in flat.slots:
+            if slot.shape.numel() * flat.compute_dtype.itemsize < early_grads.EARLY_REDUCE_BYTES:
+                continue
+            for module, attr in slot.locations:
+                mark = functools.partial(counts.early_reduce, index, f, nested)
+                hook = functools.partial(_alias_before_use, attr, mark)
+                undo.callback(module.register_forward_pre_hook(hook).remove)
+
+
+def _alias_before_use(attr: str, mark: Callable[[], bool], module: nn.Module, args: tuple) -> None:
+    view = module._parameters.get(attr)
+    if view is not None and view.requires_grad and torch.is_grad_enabled() and not in_backward():
+        module._parameters[attr] = _EarlyReduce.apply(view, mark)
+
+
+class _EarlyReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, view: torch.Tensor, mark: Callable[[], bool]) -> torch.Tensor:
+        ctx.mark = mark
+        return view.view_as(view)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return (None if ctx.mark() else grad), None
 
 
 def _post_backward(tracker: StorageTracker, unit: int, flat: int, full: torch.Tensor) -> None:

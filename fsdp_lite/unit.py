@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite import accounting, collectives, runtime, saved_views
+from fsdp_lite import accounting, collectives, early_grads, runtime, saved_views
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.flat_param import FlatParam, shard_ranks
 from fsdp_lite.offload import DeviceHome
@@ -250,6 +250,9 @@ class Unit:
             unit.frozen_early = _frees_frozen_early(unit, units)
             if _counts_saved_views(unit, units):
                 unit.saved_views = SavedViews()
+            nested = [u for m in unit.module.modules() if (u := unit_of(m)) is not None]
+            if nested:
+                early_grads.install(unit, nested)
             check_replicas_agree(unit)
 
     # -- gather and free -------------------------------------------------------------
@@ -341,6 +344,16 @@ class Unit:
                 flat.accumulate_unsharded()
             self.grads_pending.discard(id(flat))
             self._free_frozen_if_done()
+
+    def in_backward(self) -> bool:
+        return self.state in _BACKWARD_STATES
+
+    def reduce_slot_now(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
+        """``early_grads.py``: reduce-scatter one place's gradient as it arrives."""
+        with accounting.region("fsdp_lite::reduce_early"):
+            runtime.wait_previous_reduce_scatter(self.ctx)
+            pending = flat.reduce_scatter_slot(index, grad, self.reduce_dtype(flat))
+            self.ctx.pending.append(pending)
 
     def inputs_done(self, watch: object) -> None:
         """The input gradients of one watched forward call are computed."""

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import fsdp_lite
+from fsdp_lite import early_grads
 from fsdp_lite.checkpoint import CheckpointWrapper
 from fsdp_lite.planner import default_loss
 from fsdp_lite.testing.memory import MemoryRecorder
@@ -58,6 +59,7 @@ class Case:
     reshard_after_forward: bool | None = None
     prefetch: int | None = 2  # PrefetchPolicy.max_in_flight; None: no prefetching
     batch: tuple[int, int] = (2, 64)  # (micro-batch, sequence length)
+    early: bool = False  # the root's large gradients reduced on arrival (early_grads.py)
 
     @property
     def name(self) -> str:
@@ -67,6 +69,7 @@ class Case:
             parts.append(f"reshard_after_forward={self.reshard_after_forward}")
         if self.prefetch != 2:
             parts.append(f"prefetch={self.prefetch}")
+        parts += ["early reduce"] * self.early
         return " ".join(parts)
 
 
@@ -81,6 +84,8 @@ ALL_CASES = [
     Case(8, "gpt", ac=True, offload=True),
     Case(8, "llama", "bf16", ac=True),
     Case(8, "gpt", prefetch=None, reshard_after_forward=True),
+    Case(8, "gpt", "bf16", early=True),
+    Case(64, "llama", "bf16", early=True),
     Case(64, "gpt", ac=True),
     Case(64, "llama"),
     Case(64, "gpt", "bf16", offload=True),
@@ -206,9 +211,12 @@ def worker(world: int) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    threshold = early_grads.EARLY_REDUCE_BYTES
     for case in (c for c in CASES if c.world == world):
+        early_grads.EARLY_REDUCE_BYTES = 4096 if case.early else threshold
         est = estimate(case)
         print(json.dumps(_row(case.name, est, measure(case), case=asdict(case))), flush=True)
+    early_grads.EARLY_REDUCE_BYTES = threshold
     if world == 8:
         print(json.dumps(_plan_row(world)), flush=True)
 
