@@ -91,7 +91,7 @@ def trace_step(
             functools.partial(_input, fake=None if real else fake, device=device), example_inputs
         )
         _swap_parameters(units, fulls, undo)
-        _install_unit_hooks(units, fulls, mixed_precision, tracker, undo)
+        counts = _install_unit_hooks(units, fulls, mixed_precision, tracker, undo)
         _install_fp32_modules(model, mixed_precision, undo)
         for module in checkpointed:
             _checkpoint_forward(module, tracker, undo)
@@ -110,6 +110,7 @@ def trace_step(
                 )
             tracker.phase = BACKWARD_TEMPORARIES
             loss.backward()
+            counts.reduce_arrived()  # runtime.finish_backward: what no pre-backward reduced
             tracker.mark("end", -1)
             del loss
     return StepTrace(tracker.marks(), buffer_bytes)
@@ -203,7 +204,7 @@ def _install_unit_hooks(
     mp: MixedPrecision | None,
     tracker: StorageTracker,
     undo: contextlib.ExitStack,
-) -> None:
+) -> _SavedCounts:
     """Marks where fsdp_lite's unit hooks run: pre/post forward on the unit's module, pre
     backward on its outputs' gradient nodes, post backward when a full gradient is done."""
     counts = _SavedCounts(tracker)
@@ -222,6 +223,7 @@ def _install_unit_hooks(
                 full.register_post_accumulate_grad_hook(
                     functools.partial(_post_backward, tracker, index, f)
                 )
+    return counts
 
 
 @dataclass
@@ -233,19 +235,28 @@ class _SavedCounts:
     tracker: StorageTracker
     views: dict[int, SavedViews] = field(default_factory=dict)  # unit index -> its count
     started: set[int] = field(default_factory=set)  # units whose backward started
+    arrived: list[tuple] = field(default_factory=list)  # (unit, flat, gradient) to reduce
 
-    def early_reduce(self, unit: int, flat: int, nested: set[int]) -> bool:
-        """A large gradient arrived: reduced now (marked) if no nested unit started."""
+    def early_reduce(self, unit: int, flat: int, nested: set[int], grad: torch.Tensor) -> bool:
+        """A large gradient arrived: taken out of the graph, kept until the next
+        pre-backward reduces it (``runtime.reduce_arrived``), if no nested unit started."""
         if nested & self.started:
             return False
-        self.tracker.mark("early_reduce", unit, flat)
+        self.arrived.append((unit, flat, grad))
         return True
 
+    def reduce_arrived(self) -> None:
+        for unit, flat, _grad in self.arrived:
+            self.tracker.mark("early_reduce", unit, flat)
+        self.arrived.clear()
+
     def pre_backward(self, index: int) -> None:
-        for unit, views in list(self.views.items()):
-            if unit in self.started and not views.count:
-                self.tracker.mark("free_unread", unit)
-                del self.views[unit]
+        if index not in self.started:
+            for unit, views in list(self.views.items()):
+                if unit in self.started and not views.count:
+                    self.tracker.mark("free_unread", unit)
+                    del self.views[unit]
+            self.reduce_arrived()
         self.started.add(index)
         self.tracker.mark("pre_backward", index)
 
@@ -307,7 +318,9 @@ def _hook_early_reduces(
                 undo.callback(module.register_forward_pre_hook(hook).remove)
 
 
-def _alias_before_use(attr: str, mark: Callable[[], bool], module: nn.Module, args: tuple) -> None:
+def _alias_before_use(
+    attr: str, mark: Callable[[torch.Tensor], bool], module: nn.Module, args: tuple
+) -> None:
     view = module._parameters.get(attr)
     if view is not None and view.requires_grad and torch.is_grad_enabled() and not in_backward():
         module._parameters[attr] = _EarlyReduce.apply(view, mark)
@@ -315,13 +328,13 @@ def _alias_before_use(attr: str, mark: Callable[[], bool], module: nn.Module, ar
 
 class _EarlyReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, view: torch.Tensor, mark: Callable[[], bool]) -> torch.Tensor:
+    def forward(ctx: Any, view: torch.Tensor, mark: Callable[[torch.Tensor], bool]) -> torch.Tensor:
         ctx.mark = mark
         return view.view_as(view)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return (None if ctx.mark() else grad), None
+        return (None if ctx.mark(grad) else grad), None
 
 
 def _post_backward(tracker: StorageTracker, unit: int, flat: int, full: torch.Tensor) -> None:

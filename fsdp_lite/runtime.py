@@ -71,6 +71,9 @@ class RootContext:
     backward_order: ExecOrder = field(default_factory=ExecOrder)
     prefetched: set[Unit] = field(default_factory=set)  # gathered ahead, not yet run
     counting: list[Unit] = field(default_factory=list)  # kept full; saved views counted
+    # Gradients taken out of the graph on arrival, to reduce alone (early_grads.py):
+    # (unit, flat param, slot index, gradient).
+    arrived: list[tuple] = field(default_factory=list)
 
     def next_units(self, unit: Unit, backward: bool) -> list[Unit]:
         """Record ``unit`` in this pass's order and return the units to prefetch now."""
@@ -94,6 +97,7 @@ def reset(ctx: RootContext) -> None:
         unit.end_backward()
     ctx.prefetched.clear()
     ctx.counting.clear()
+    ctx.arrived.clear()
     ctx.callback_queued = False
 
 
@@ -136,6 +140,15 @@ def free_unread(ctx: RootContext) -> None:
     ctx.counting[:] = keep
 
 
+def reduce_arrived(ctx: RootContext) -> None:
+    """Reduce-scatter the gradients ``early_grads`` took out of the graph, in arrival order
+    (the same on every rank)."""
+    while ctx.arrived:
+        unit, flat, index, grad = ctx.arrived.pop(0)
+        unit.reduce_slot_now(flat, index, grad)
+        del grad
+
+
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
@@ -169,6 +182,7 @@ def finish_backward(ctx: RootContext) -> None:
     Also covers units whose parameters got no gradient this iteration.
     """
     with accounting.region("fsdp_lite::finish_backward"):
+        reduce_arrived(ctx)
         for pending in ctx.pending:
             pending.finish()
         ctx.pending.clear()

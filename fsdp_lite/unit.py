@@ -316,6 +316,7 @@ class Unit:
         if self.state is not TrainingState.IDLE:
             return
         runtime.free_unread(ctx)
+        runtime.reduce_arrived(ctx)
         with accounting.region("fsdp_lite::pre_backward"):
             self.state = TrainingState.PRE_BACKWARD
             self.grads_pending = {id(f) for f in self.flat_params if f.requires_grad}
