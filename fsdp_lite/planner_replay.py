@@ -228,7 +228,10 @@ def _pre_backward(r: _Replay, mark: Mark) -> None:
     own = r.sends.pop(mark.unit, 0) + r._gather(mark.unit)
     policy = r.cfg.prefetch
     if policy is not None and policy.backward:
-        _prefetch(r, mark.unit, r.backward_order, policy, skip=r.started)
+        skip = set(r.started)
+        if r.units[mark.unit].is_root:  # Unit.unshard_with_prefetch
+            skip |= {u for u in range(len(r.units)) if _outweighs_masters(r, u)}
+        _prefetch(r, mark.unit, r.backward_order, policy, skip=skip)
     r.consider(mark.at, f"backward of {r.units[mark.unit].name} (gathering)", gather_buffers=own)
 
 
@@ -256,7 +259,13 @@ def _keeps_full(r: _Replay, unit: int) -> bool:
     if policy is None or not policy.backward:
         return False
     first = next((u for u in r.backward_order if not r.units[u].is_root), None)
-    return first == unit
+    return first == unit and not _outweighs_masters(r, unit)
+
+
+def _outweighs_masters(r: _Replay, unit: int) -> bool:
+    """``Unit.outweighs_masters``: its full bytes above every unit's master shards."""
+    master = sum(f.shard_bytes for u in r.units for f in u.flats)
+    return not r.units[unit].is_root and r.units[unit].full_bytes > master
 
 
 def _post_backward(r: _Replay, mark: Mark, name: str) -> None:

@@ -92,6 +92,9 @@ class Unit:
         self.ctx: runtime.RootContext | None = None  # shared by every unit of the root's tree
         self.name = type(module).__name__  # the module path, from lazy init on
         self.frozen_early = False  # frozen flat params freed in backward (see Note)
+        # Its full parameters outweigh this rank's master shards of the whole tree: the root
+        # neither keeps it gathered from forward nor prefetches it (keeps_full_after_forward).
+        self.outweighs_masters = False
         # With nested units: counts saved views of the full buffers (saved_views.py).
         self.saved_views: SavedViews | None = None
         self._paused: SavedViews | None = None  # an enclosing unit's, during this forward
@@ -218,7 +221,10 @@ class Unit:
         them (its backward runs first), every other unit frees them -- except, with
         backward prefetching on and this pass following the recorded order, the first unit
         after the root in the recorded backward order (a transformer's last block): backward
-        would start by gathering it again.
+        would start by gathering it again. Not where its full parameters outweigh this
+        rank's whole fp32 master copy (``outweighs_masters``; large W): kept, or prefetched
+        by the root's pre-backward, they sit beside the gathered root, its head's full
+        gradient and every activation at the step's highest point, for one gather a step.
         """
         if self.reshard_after_forward is not None:
             return not self.reshard_after_forward
@@ -230,7 +236,9 @@ class Unit:
             return False
         if not ctx.forward_order.on_track:
             return False
-        return next((u for u in recorded if not u.is_root), None) is self
+        if next((u for u in recorded if not u.is_root), None) is not self:
+            return False
+        return not self.outweighs_masters
 
     def lazy_init(self) -> None:
         """Make the first unit to run forward the root of every unit below it."""
@@ -238,6 +246,7 @@ class Unit:
             return
         units = [self] + [u for m in self.module.modules() if (u := unit_of(m)) is not None]
         ctx = runtime.RootContext(units=units, prefetch=self.prefetch)
+        master = sum(f.shard.numel() * f.shard.element_size() for u in units for f in u.flat_params)
         names = {id(m): n for n, m in clean_named_modules(self.module)}
         for unit in units:
             unit.is_root = unit is self
@@ -247,6 +256,8 @@ class Unit:
             for flat in unit.flat_params:
                 flat.unit_name, flat.unit_key = unit.name, id(unit)
         for unit in units:
+            full = sum(f.full_nbytes for f in unit.flat_params)
+            unit.outweighs_masters = not unit.is_root and full > master
             unit.frozen_early = _frees_frozen_early(unit, units)
             if _counts_saved_views(unit, units):
                 unit.saved_views = SavedViews()
@@ -266,6 +277,8 @@ class Unit:
         for other in ctx.next_units(self, backward):
             if backward and other.state is not TrainingState.IDLE:
                 continue  # its backward already ran
+            if backward and self.is_root and other.outweighs_masters:
+                continue  # not beside the root's own backward (keeps_full_after_forward)
             ctx.prefetched.add(other)
             for flat in other.flat_params:
                 flat.unshard(async_op=True)
