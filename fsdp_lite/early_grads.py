@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 EARLY_REDUCE_BYTES = flat_param.WIDEN_PIECE_BYTES
 
 
+def is_large(numel: int, compute_dtype: torch.dtype) -> bool:
+    """Is a parameter of ``numel`` elements gathered in ``compute_dtype`` reduced early?"""
+    return numel * compute_dtype.itemsize >= EARLY_REDUCE_BYTES
+
+
 def install(unit: Unit, nested: list[Unit]) -> None:
     """Hook the modules that hold a large trainable parameter of ``unit``."""
     aliaser = _Aliaser(weakref.ref(unit), [weakref.ref(u) for u in nested])
@@ -52,7 +57,7 @@ def install(unit: Unit, nested: list[Unit]) -> None:
         if not flat.requires_grad:
             continue
         for index, slot in enumerate(flat.slots):
-            if slot.numel * flat.compute_dtype.itemsize < EARLY_REDUCE_BYTES:
+            if not is_large(slot.numel, flat.compute_dtype):
                 continue
             for module, attr in slot.locations:
                 hook = functools.partial(aliaser.before_use, weakref.ref(flat), index, attr)

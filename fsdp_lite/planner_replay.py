@@ -110,6 +110,11 @@ class _Replay:
         self.recorded_forward = [m.unit for m in _firsts(trace.marks, "pre_forward")]
         self.backward_order = [m.unit for m in _firsts(trace.marks, "pre_backward")]
         self.started: set[int] = set()  # units whose backward began
+        # Unit.outweighs_masters: full bytes above every unit's master shards.
+        masters = self.resident["shards"]
+        self.outweighs = {
+            i for i, u in enumerate(units) if not u.is_root and u.full_bytes > masters
+        }
         self.reduced: set[tuple[int, int]] = set()
         self.peak = Peak()
 
@@ -230,7 +235,7 @@ def _pre_backward(r: _Replay, mark: Mark) -> None:
     if policy is not None and policy.backward:
         skip = set(r.started)
         if r.units[mark.unit].is_root:  # Unit.unshard_with_prefetch
-            skip |= {u for u in range(len(r.units)) if _outweighs_masters(r, u)}
+            skip |= r.outweighs
         _prefetch(r, mark.unit, r.backward_order, policy, skip=skip)
     r.consider(mark.at, f"backward of {r.units[mark.unit].name} (gathering)", gather_buffers=own)
 
@@ -259,13 +264,7 @@ def _keeps_full(r: _Replay, unit: int) -> bool:
     if policy is None or not policy.backward:
         return False
     first = next((u for u in r.backward_order if not r.units[u].is_root), None)
-    return first == unit and not _outweighs_masters(r, unit)
-
-
-def _outweighs_masters(r: _Replay, unit: int) -> bool:
-    """``Unit.outweighs_masters``: its full bytes above every unit's master shards."""
-    master = sum(f.shard_bytes for u in r.units for f in u.flats)
-    return not r.units[unit].is_root and r.units[unit].full_bytes > master
+    return first == unit and unit not in r.outweighs
 
 
 def _post_backward(r: _Replay, mark: Mark, name: str) -> None:

@@ -310,7 +310,7 @@ def _hook_early_reduces(
         if not flat.requires_grad:
             continue
         for slot in flat.slots:
-            if slot.shape.numel() * flat.compute_dtype.itemsize < early_grads.EARLY_REDUCE_BYTES:
+            if not early_grads.is_large(slot.shape.numel(), flat.compute_dtype):
                 continue
             for module, attr in slot.locations:
                 mark = functools.partial(counts.early_reduce, index, f, nested)

@@ -259,10 +259,10 @@ class Unit:
             full = sum(f.full_nbytes for f in unit.flat_params)
             unit.outweighs_masters = not unit.is_root and full > master
             unit.frozen_early = _frees_frozen_early(unit, units)
-            if _counts_saved_views(unit, units):
-                unit.saved_views = SavedViews()
             nested = [u for m in unit.module.modules() if (u := unit_of(m)) is not None]
             if nested:
+                if _counts_saved_views(unit, nested):
+                    unit.saved_views = SavedViews()
                 early_grads.install(unit, nested)
             check_replicas_agree(unit)
 
@@ -440,12 +440,9 @@ def _frees_frozen_early(unit: Unit, units: list[Unit]) -> bool:
     )
 
 
-def _counts_saved_views(unit: Unit, units: list[Unit]) -> bool:
-    """Does ``unit`` count saved views of its full buffers (see saved_views.py)? Where it
-    has nested units, and none of them holds one of its parameters."""
-    nested = [u for m in unit.module.modules() if (u := unit_of(m)) is not None]
-    if not nested:
-        return False
+def _counts_saved_views(unit: Unit, nested: list[Unit]) -> bool:
+    """Does ``unit``, with ``nested`` units inside, count saved views of its full buffers
+    (see saved_views.py)? Where none of them holds one of its parameters."""
     inside = {id(m) for u in nested for m in region_modules(u.module)}
     return not any(
         id(module) in inside
