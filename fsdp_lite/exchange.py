@@ -39,7 +39,10 @@ import torch.distributed as dist
 
 MAX_RANKS = 8
 _TAGS = 1 << 20
-_sequence: dict[int, int] = {}  # id(group) -> exchanges issued on it
+# group name -> exchanges issued on it. By name, not id(): c10d names groups in creation
+# order, the same on every rank, where an id() a dead group left behind could be reused
+# on one rank only, and its stale count would pair messages under different tags.
+_sequence: dict[str, int] = {}
 # What c10d's Work.wait(timeout) raises when the timeout runs out (collectives.py watches
 # for it and waits again).
 WAIT_TIMED_OUT = "Operation timed out!"
@@ -149,7 +152,7 @@ def _check_sizes(op: str, part: torch.Tensor, whole: torch.Tensor, size: int) ->
 
 def _issue(ops: list[tuple], group: dist.ProcessGroup) -> list[Any]:
     """Post ``(isend or irecv, tensor, group rank)`` messages under the next tag."""
-    key = id(group)
+    key = group.group_name
     tag = _sequence.get(key, 0)
     _sequence[key] = (tag + 1) % _TAGS
     p2p = [dist.P2POp(fn, t, group=group, tag=tag, group_peer=peer) for fn, t, peer in ops]
