@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from bench import write_markdown  # noqa: E402
 from bench_measure import missed_free, peak_from_profile, walk  # noqa: E402
+from bench_systems import tied_gpt_config  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
@@ -66,15 +67,7 @@ class ScaleConfig:
     adamw: str = "foreach"  # CUDA's default; "loop" (CPU's default) or "fused"
 
     def gpt_config(self) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=self.vocab,
-            block_size=self.seq,
-            n_layer=self.layers,
-            n_head=self.heads,
-            n_embd=self.dim,
-            dropout=0.0,
-            tie_weights=True,
-        )
+        return tied_gpt_config(self)
 
 
 # -- one case, in its own process -------------------------------------------------------------

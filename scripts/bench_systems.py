@@ -54,15 +54,21 @@ class BenchConfig:
     timeout_s: float = 600.0
 
     def gpt_config(self) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=self.vocab,
-            block_size=self.seq,
-            n_layer=self.layers,
-            n_head=self.heads,
-            n_embd=self.dim,
-            dropout=0.0,
-            tie_weights=True,
-        )
+        return tied_gpt_config(self)
+
+
+def tied_gpt_config(cfg: Any) -> GPTConfig:
+    """The benchmarks' GPT (tied head, no dropout) from a config's layers, dim, heads,
+    vocab and seq (``BenchConfig``, ``bench_scale.ScaleConfig``)."""
+    return GPTConfig(
+        vocab_size=cfg.vocab,
+        block_size=cfg.seq,
+        n_layer=cfg.layers,
+        n_head=cfg.heads,
+        n_embd=cfg.dim,
+        dropout=0.0,
+        tie_weights=True,
+    )
 
 
 # -- systems -----------------------------------------------------------------------------
