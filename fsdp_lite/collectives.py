@@ -131,6 +131,12 @@ def _wait_watching_for_divergence(work: Any, group: ProcessGroup | None) -> None
         GUARD.answer_open_check(group)
 
 
+def _stalled(group: ProcessGroup) -> Callable[[], None] | None:
+    """What an exchange calls while it waits for room in its ring: the same watch as
+    ``_wait_watching_for_divergence``'s."""
+    return (lambda: GUARD.answer_open_check(group)) if GUARD.watching(group) else None
+
+
 def require_initialized(what: str = "fsdp_lite.FSDPModule") -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -270,7 +276,7 @@ def all_gather_flat(
     out = output if output.device == device else torch.empty_like(output, device=device)
     with _peer_errors("all_gather", unit):
         if exchange.applies(group, out):
-            work = exchange.all_gather(out, _staged(shard, device), group)
+            work = exchange.all_gather(out, _staged(shard, device), group, _stalled(group))
         else:
             work = _all_gather_flat(out, _staged(shard, device), group=group, async_op=True)
     handle = Handle(work, unit, device, group, _copy_back(output, out))
@@ -297,7 +303,7 @@ def reduce_scatter_flat(
     out = output if output.device == device else torch.empty_like(output, device=device)
     with _peer_errors("reduce_scatter", unit):
         if exchange.applies(group, out):
-            work = exchange.reduce_scatter(out, _staged(full, device), group)
+            work = exchange.reduce_scatter(out, _staged(full, device), group, _stalled(group))
         else:
             work = _reduce_scatter_flat(out, _staged(full, device), group=group, async_op=True)
     return Handle(work, unit, device, group, _copy_back(output, out))

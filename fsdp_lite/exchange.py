@@ -18,6 +18,11 @@ thread's word. (gloo's own wait on a message with a timeout closes the connectio
 the timeout runs out, and ``collectives.py`` waits in short timeouts to watch for
 diverged ranks.)
 
+When every rank of the group is on this host, each exchange goes through shared memory
+instead (``shared_ring.py``): a rank copies what its peers need into its own ring and
+sends each peer only where it is; the peer reads it straight from that ring into its
+result (the sum in the same order). Payloads over half the ring still go over TCP.
+
 Each exchange's messages carry a tag from a per-group counter, so two exchanges in flight
 (a prefetched gather beside a reduce-scatter) never take each other's messages: the
 counter advances identically on every rank, since every rank issues the same collectives
@@ -32,10 +37,13 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from fsdp_lite import shared_ring
 
 MAX_RANKS = 8
 _TAGS = 1 << 20
@@ -43,6 +51,7 @@ _TAGS = 1 << 20
 # order, the same on every rank, where an id() a dead group left behind could be reused
 # on one rank only, and its stale count would pair messages under different tags.
 _sequence: dict[str, int] = {}
+_rings: dict[str, shared_ring.Ring | None] = {}  # group name -> its ring (None: TCP only)
 # What c10d's Work.wait(timeout) raises when the timeout runs out (collectives.py watches
 # for it and waits again).
 WAIT_TIMED_OUT = "Operation timed out!"
@@ -59,10 +68,17 @@ def applies(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
 class Exchange:
     """The messages of one exchange in flight; ``wait`` behaves as a ``Work``'s."""
 
-    def __init__(self, works: list[Any], keep: list[torch.Tensor], finish: Any = None) -> None:
+    def __init__(
+        self,
+        works: list[Any],
+        keep: list[torch.Tensor],
+        finish: Callable[[], None] | None = None,
+        failed: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self._works = works
         self._keep = keep  # what the sends read and the receives write, until done
         self._finish = finish  # the sum of a reduce-scatter, once everything arrived
+        self._failed = failed  # told the error, on the waiting thread, if one was raised
         self._done = threading.Event()
         self._error: BaseException | None = None
         _waiter().put(self)
@@ -87,6 +103,8 @@ class Exchange:
         finally:
             self._works, self._keep, self._finish = [], [], None
             self._done.set()
+        if self._error is not None and self._failed is not None:
+            self._failed(self._error)
 
 
 _queue: queue.SimpleQueue | None = None
@@ -108,14 +126,29 @@ def _wait_forever(pending: queue.SimpleQueue) -> None:
         pending.get().complete()
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> Exchange:
-    """Sum ``full`` over ``group`` and leave this rank's contiguous 1/W slice in ``output``."""
+def reduce_scatter(
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    stalled: Callable[[], None] | None = None,
+) -> Exchange:
+    """Sum ``full`` over ``group`` and leave this rank's contiguous 1/W slice in ``output``.
+
+    The sum is this rank's chunk, then every other rank's in rank order, through a ring
+    or not. ``stalled``: called while waiting for room in the ring (``Ring.stage``).
+    """
     size, me = group.size(), group.rank()
     _check_sizes("reduce_scatter", output, full, size)
     chunks = full.view(size, -1)
+    peers = [p for p in range(size) if p != me]
+    ring = _ring(group)
+    if ring is not None and ring.fits(len(peers) * chunks[0].nbytes):
+        output.copy_(chunks[me])  # ``full`` is not needed past this call
+        staged = [chunks[p] for p in peers]
+        return _through_ring(ring, group, staged, lambda i, src: output.add_(src), output, stalled)
     received = torch.empty((size - 1, chunks.shape[1]), dtype=full.dtype, device=full.device)
     ops = []
-    for i, peer in enumerate(p for p in range(size) if p != me):
+    for i, peer in enumerate(peers):
         ops += [(dist.isend, chunks[peer], peer), (dist.irecv, received[i], peer)]
     works = _issue(ops, group)
 
@@ -127,16 +160,79 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     return Exchange(works, [full, received], finish)
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Exchange:
+def all_gather(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    stalled: Callable[[], None] | None = None,
+) -> Exchange:
     """Every rank's equal-sized ``shard`` into ``output``, in rank order."""
     size, me = group.size(), group.rank()
     _check_sizes("all_gather", shard, output, size)
     chunks = output.view(size, -1)
     chunks[me].copy_(shard)
+    peers = [p for p in range(size) if p != me]
+    ring = _ring(group)
+    if ring is not None and ring.fits(shard.nbytes):
+        # One copy in the ring, read by every peer.
+        take = lambda i, src: chunks[peers[i]].copy_(src)  # noqa: E731
+        return _through_ring(ring, group, [shard], take, output, stalled)
     ops = []
-    for peer in (p for p in range(size) if p != me):
+    for peer in peers:
         ops += [(dist.isend, shard, peer), (dist.irecv, chunks[peer], peer)]
     return Exchange(_issue(ops, group), [shard, output])
+
+
+def _through_ring(
+    ring: shared_ring.Ring,
+    group: dist.ProcessGroup,
+    staged: list[torch.Tensor],
+    take: Callable[[int, torch.Tensor], Any],
+    output: torch.Tensor,
+    stalled: Callable[[], None] | None,
+) -> Exchange:
+    """An exchange through ``ring``: ``staged`` (one tensor for every peer, or one per
+    peer in rank order) copied in, each peer told where its part is; ``take(i, part)``
+    with the i-th peer's part for this rank, read from that peer's ring.
+
+    One message to each peer, tiny, under this exchange's tag: the offset of its part.
+    Every rank stages exactly one region per exchange through the ring, so region numbers
+    agree across ranks: taking peer p's part of region n is reported to p as ``n``
+    (``Ring.taken``), and p writes there again once every peer has reported.
+    """
+    number, offsets = ring.stage(staged, stalled)
+    me, tag = group.rank(), _next_tag(group)
+    peers = [p for p in range(group.size()) if p != me]
+    numel, dtype = staged[0].numel(), staged[0].dtype
+    where = torch.tensor([offsets[min(i, len(offsets) - 1)] for i in range(len(peers))])
+    theirs = torch.empty(len(peers), dtype=torch.int64)
+    sends = [group.send([where[i : i + 1]], p, tag) for i, p in enumerate(peers)]
+    heard = [group.recv([theirs[i : i + 1]], p, tag) for i, p in enumerate(peers)]
+
+    def finish() -> None:
+        for i, peer in enumerate(peers):
+            take(i, ring.peer_view(peer, int(theirs[i]), numel, dtype))
+            ring.taken(peer, number)
+        for work in sends:
+            work.wait()
+
+    # A failed exchange: peers may never take their parts, so no room may ever come.
+    return Exchange(heard, [output, where, theirs], finish, ring.fail)
+
+
+def ring_tensors() -> list[torch.Tensor]:
+    """Every ring this process has mapped, as tensors: memory that lives as long as the
+    process. Pass them to ``MemTracker.track_external``, or it counts a ring's 16 MiB as
+    allocated by whatever first touches a view of it while tracking."""
+    return [t for ring in _rings.values() if ring is not None for t in ring.tensors()]
+
+
+def _ring(group: dist.ProcessGroup) -> shared_ring.Ring | None:
+    """The group's ring, set up (by every rank together) at its first exchange."""
+    key = group.group_name
+    if key not in _rings:
+        _rings[key] = shared_ring.connect(group, shared_ring.RING_BYTES)
+    return _rings[key]
 
 
 def _check_sizes(op: str, part: torch.Tensor, whole: torch.Tensor, size: int) -> None:
@@ -152,8 +248,13 @@ def _check_sizes(op: str, part: torch.Tensor, whole: torch.Tensor, size: int) ->
 
 def _issue(ops: list[tuple], group: dist.ProcessGroup) -> list[Any]:
     """Post ``(isend or irecv, tensor, group rank)`` messages under the next tag."""
+    tag = _next_tag(group)
+    p2p = [dist.P2POp(fn, t, group=group, tag=tag, group_peer=peer) for fn, t, peer in ops]
+    return dist.batch_isend_irecv(p2p)
+
+
+def _next_tag(group: dist.ProcessGroup) -> int:
     key = group.group_name
     tag = _sequence.get(key, 0)
     _sequence[key] = (tag + 1) % _TAGS
-    p2p = [dist.P2POp(fn, t, group=group, tag=tag, group_peer=peer) for fn, t, peer in ops]
-    return dist.batch_isend_irecv(p2p)
+    return tag

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fsdp_lite import flat_param
+from fsdp_lite import flat_param, shared_ring
 from fsdp_lite.api import PrefetchPolicy
 from fsdp_lite.planner_layout import FlatLayout, UnitLayout
 from fsdp_lite.planner_storage import CATEGORIES, Mark
@@ -277,7 +277,7 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
     out = flat.shard_numel * reduce_dtype.itemsize
     wide = flat.padded_numel * reduce_dtype.itemsize
     pieces = flat_param.widening_pieces(flat.padded_numel, flat.compute_dtype, reduce_dtype)
-    keeps = r.cfg.comm_keeps
+    keeps = _transport_keeps(r.cfg.comm_keeps, (flat.world_size - 1) * out)
     received = (flat.world_size - 1) / flat.world_size  # an exchange's, per byte sent
     kept = (wide if pieces == 1 else 0) if keeps != "none" else 0
     copy = {"copy": kept, "exchange": int(kept * received)}.get(keeps, 0)  # beside the input
@@ -307,6 +307,14 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
         r._reshard(mark.unit, only_frozen=True)  # frozen params freed once backward is done
 
 
+def _transport_keeps(keeps: str, payload: int) -> str:
+    """An exchange through a shared-memory ring (``shared_ring.py``; the planner takes a
+    gloo group's ranks to share a host, as a CPU run does) keeps nothing beside its
+    output: the payload is copied into the ring as the exchange is issued."""
+    ring = shared_ring.RING_BYTES
+    return "none" if keeps == "exchange" and ring and shared_ring.carries(payload, ring) else keeps
+
+
 def _early_reduce(r: _Replay, mark: Mark, name: str) -> None:
     """``Unit.reduce_slot_now`` (early_grads.py): one slot's gradient reduce-scattered in
     pieces of the (W, shard) layout beside it, its output waiting for the end of backward."""
@@ -315,7 +323,8 @@ def _early_reduce(r: _Replay, mark: Mark, name: str) -> None:
     out = flat.shard_numel * reduce_dtype.itemsize
     step = max(1, flat_param.WIDEN_PIECE_BYTES // (flat.world_size * reduce_dtype.itemsize))
     piece = min(step, flat.shard_numel) * flat.world_size * reduce_dtype.itemsize
-    in_flight = piece * (1 if r.cfg.comm_keeps == "none" else 2)
+    payload = piece // flat.world_size * (flat.world_size - 1)
+    in_flight = piece * (1 if _transport_keeps(r.cfg.comm_keeps, payload) == "none" else 2)
     label = f"backward of {name} (early reduce-scatter)"
     r.consider(mark.at, label, reduce_scatter_buffers=in_flight, gradients=out)
     r.outs += out

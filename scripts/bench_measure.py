@@ -77,11 +77,39 @@ def count_collectives() -> Iterator[dict[str, dict[str, float]]]:
 
     for name, orig in originals.items():
         setattr(pg_cls, name, patched(name, orig))
+    ring_stage = _count_ring_stages(counts)
     try:
         yield counts
     finally:
         for name, orig in originals.items():
             setattr(pg_cls, name, orig)
+        if ring_stage is not None:
+            from fsdp_lite.shared_ring import Ring
+
+            Ring.stage = ring_stage
+
+
+def _count_ring_stages(counts: dict) -> Callable | None:
+    """fsdp_lite's exchanges between ranks on one host pass through shared memory
+    (fsdp_lite/shared_ring.py), not the ProcessGroup: count what each stage puts there as
+    "ring", as many times as peers read it (one part each, or one part for all)."""
+    try:
+        from fsdp_lite.shared_ring import Ring
+    except ImportError:
+        return None
+    orig = Ring.stage
+
+    def stage(self: Ring, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        nbytes = sum(_nbytes(t) for t in tensors)
+        readers = len(self._peers) if len(tensors) == 1 else 1
+        c = counts["ring"]
+        c["calls"] += 1
+        c["bytes"] += nbytes
+        c["wire_bytes"] += nbytes * readers
+        return orig(self, tensors, *args, **kwargs)
+
+    Ring.stage = stage
+    return orig
 
 
 # -- memory ------------------------------------------------------------------------------

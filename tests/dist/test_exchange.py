@@ -5,20 +5,26 @@
   and a reduce-scatter in flight together, waited for in the opposite order; waited for
   with a timeout, as collectives.py does);
 - wrong sizes refused before any message is sent;
-- training through the process group's own collectives (the path NCCL and W > 8 take)
-  still matches the single-process reference.
+- training through the process group's own collectives (the path NCCL and W > 8 take),
+  and through TCP messages (ranks on different hosts), still matches the single-process
+  reference; every other multi-rank test trains through the shared-memory rings;
+- the rings (fsdp_lite/shared_ring.py): set up at a group's first exchange, nothing left
+  in /dev/shm; results bit for bit those of TCP messages; a ring too small for what is
+  in flight waits for room, a payload over half of it goes over TCP; one rank without a
+  ring means no ring for anyone in that group.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 from cases import gpt_run
 
-from fsdp_lite import exchange
+from fsdp_lite import exchange, shared_ring
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import compare_training
 
@@ -59,9 +65,88 @@ def _refused_before_sending(rank: int, world: int) -> None:
     dist.barrier()  # nothing left half-sent: the group still works
 
 
+def _ring_set_up(rank: int, world: int) -> None:
+    name = dist.group.WORLD.group_name
+    assert exchange._rings[name] is not None, "ranks on one host exchange through rings"
+    mine = f"fsdp_lite-{os.getpid()}-"
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(mine)], "unlinked"
+
+
+def _ring_same_as_tcp(rank: int, world: int) -> None:
+    group = dist.group.WORLD
+    ring = exchange._rings[group.group_name]
+    for dtype in (torch.float32, torch.bfloat16):
+        full, shard = _tensors(rank, world, dtype)
+        got = {}
+        for how in ("ring", "tcp"):
+            exchange._rings[group.group_name] = ring if how == "ring" else None
+            rs, ag = torch.empty(1000, dtype=dtype), torch.empty(world * 1000, dtype=dtype)
+            exchange.reduce_scatter(rs, full, group).wait()
+            exchange.all_gather(ag, shard, group).wait()
+            got[how] = rs, ag
+        exchange._rings[group.group_name] = ring
+        assert all(torch.equal(a, b) for a, b in zip(got["ring"], got["tcp"], strict=True)), dtype
+
+
+def _small_ring(rank: int, world: int) -> None:
+    """Six gathers and two reduce-scatters in flight in an 8 KiB ring (4 KiB payloads at
+    most): staging waits for peers to take earlier regions whenever they have not yet (the
+    waiting itself is tested in tests/unit/test_shared_ring.py); an 8 KB shard goes over TCP."""
+    saved, shared_ring.RING_BYTES = shared_ring.RING_BYTES, 8192
+    try:
+        group = dist.new_group(list(range(world)))
+        inputs = [torch.randn(1000, generator=torch.Generator().manual_seed(rank * 10 + i))
+                  for i in range(6)] + [torch.randn(2000)]  # fmt: skip
+        fulls = [torch.randn(world * 500) for _ in range(2)]
+        outs = [torch.empty(world * t.numel()) for t in inputs]
+        sums = [torch.empty(500) for _ in fulls]
+        works = [exchange.all_gather(o, t, group) for o, t in zip(outs, inputs, strict=True)]
+        works += [exchange.reduce_scatter(o, f, group) for o, f in zip(sums, fulls, strict=True)]
+        assert exchange._rings[group.group_name].capacity == 8192
+        for work in works:
+            work.wait()
+        for out, t in zip(outs, inputs, strict=True):
+            want = torch.empty_like(out)
+            dist.all_gather_into_tensor(want, t, group=group)
+            assert torch.equal(out, want)
+        for out, f in zip(sums, fulls, strict=True):
+            want = torch.empty_like(out)
+            dist.reduce_scatter_tensor(want, f.clone(), group=group)
+            torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+    finally:
+        shared_ring.RING_BYTES = saved
+
+
+def _no_ring_unless_everyone(rank: int, world: int) -> None:
+    saved = shared_ring.RING_BYTES
+    shared_ring.RING_BYTES = 0 if rank == world - 1 else saved
+    try:
+        group = dist.new_group(list(range(world)))
+        full, shard = _tensors(rank, world, torch.float32)
+        ag = torch.empty(world * 1000)
+        exchange.all_gather(ag, shard, group).wait()
+        assert exchange._rings[group.group_name] is None
+        want = torch.empty_like(ag)
+        dist.all_gather_into_tensor(want, shard, group=group)
+        assert torch.equal(ag, want)
+    finally:
+        shared_ring.RING_BYTES = saved
+
+
 def _cases(rank: int, world: int) -> dict:
     _same_as_process_group(rank, world)
     _refused_before_sending(rank, world)
+    _ring_set_up(rank, world)
+    _ring_same_as_tcp(rank, world)
+    _small_ring(rank, world)
+    _no_ring_unless_everyone(rank, world)
+    name = dist.group.WORLD.group_name
+    ring, exchange._rings[name] = exchange._rings[name], None  # TCP messages
+    try:
+        tcp = gpt_run("TCP exchanges", world)
+        compare_training(tcp)
+    finally:
+        exchange._rings[name] = ring
     saved = exchange.MAX_RANKS
     exchange.MAX_RANKS = 1  # the process group's own collectives
     try:
@@ -71,7 +156,7 @@ def _cases(rank: int, world: int) -> dict:
         compare_training(run_bf16)
     finally:
         exchange.MAX_RANKS = saved
-    return {run.name: run.results, run_bf16.name: run_bf16.results}
+    return {run.name: run.results, run_bf16.name: run_bf16.results, tcp.name: tcp.results}
 
 
 def test_exchange_matches_process_group_collectives() -> None:
