@@ -62,6 +62,7 @@ class Ring:
         self._peer_maps = peers  # mapped for the process's lifetime
         self._mine = torch.frombuffer(mine, dtype=torch.uint8)
         self._peers = {r: torch.frombuffer(m, dtype=torch.uint8) for r, m in peers.items()}
+        # (start, end, number) of the regions peers may still read, oldest first.
         self._regions: collections.deque[tuple[int, int, int]] = collections.deque()
         self._head = HEADER  # where the next region is tried first
         self._issued = 0  # regions numbered so far
@@ -111,12 +112,12 @@ class Ring:
     def _reserve(self, nbytes: int, stalled: Callable[[], None] | None) -> int:
         waited = 0.0
         while True:
+            if self.broken is not None:
+                raise RuntimeError("fsdp_lite: an earlier exchange failed") from self.broken
             self._reclaim()
             start = self._free_start(nbytes)
             if start is not None:
                 return start
-            if self.broken is not None:
-                raise RuntimeError("fsdp_lite: an earlier exchange failed") from self.broken
             time.sleep(POLL_SECONDS)
             waited += POLL_SECONDS
             if waited >= WAIT_SECONDS and stalled is not None:
