@@ -21,13 +21,16 @@ diverged ranks.)
 When every rank of the group is on this host, each exchange goes through shared memory
 instead (``shared_ring.py``): a rank copies what its peers need into its own ring and
 sends each peer only where it is; the peer reads it straight from that ring into its
-result (the sum in the same order). Payloads over half the ring still go over TCP.
+result (the sum in the same order), on the waiting thread. Nothing is kept past the call
+but the output: the input is in the ring already. Payloads over half the ring still go
+over TCP.
 
 Each exchange's messages carry a tag from a per-group counter, so two exchanges in flight
 (a prefetched gather beside a reduce-scatter) never take each other's messages: the
 counter advances identically on every rank, since every rank issues the same collectives
-in the same order (what ``collectives.GUARD`` checks). Memory: the input is kept until
-the sends are done, and a reduce-scatter holds (W-1) received chunks until its ``wait``.
+in the same order (what ``collectives.GUARD`` checks). Memory over TCP: the input is kept
+until the sends are done, and a reduce-scatter holds (W-1) received chunks until its
+``wait``.
 Used up to ``MAX_RANKS`` ranks (2(W-1) messages per rank per collective); beyond that,
 and on any other backend, ``collectives.py`` calls the process group's own collectives.
 """
