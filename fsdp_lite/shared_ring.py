@@ -180,6 +180,8 @@ def _create(name: str, capacity: int) -> mmap.mmap | None:
     """This rank's ring, its memory reserved now (a full ``/dev/shm`` fails here, not later
     with a SIGBUS at first touch)."""
     path = os.path.join(_SHM_DIR, name)
+    if not hasattr(os, "posix_fallocate"):  # not Linux: no /dev/shm to count on
+        return None
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
