@@ -74,7 +74,8 @@ class ReplayConfig:
     optimizer_temporaries: str  # "none", "per_tensor" or "foreach" (see _optimizer_temporaries)
     step_tensors: bool  # a 4-byte step count per shard (Adam) in this memory
     # What the backend keeps for the reduce-scatter in flight: "exchange" (gloo up to
-    # exchange.MAX_RANKS: the input and (W-1)/W of it received), "copy" (gloo beyond: it
+    # exchange.MAX_RANKS: the input and (W-1)/W of it received over TCP, nothing through
+    # a shared-memory ring: see _transport_keeps), "copy" (gloo beyond: it
     # clones the input), "input" (NCCL stashes the input itself), "none" (fake, one rank).
     comm_keeps: str
 
