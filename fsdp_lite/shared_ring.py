@@ -34,9 +34,25 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+
+def _ring_bytes(default: int = 16 << 20) -> int:
+    text = os.environ.get("FSDP_LITE_SHM_BYTES", str(default))
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"FSDP_LITE_SHM_BYTES must be a number of bytes >= 0 (0 turns the shared-memory "
+            f"rings off), got {text!r}"
+        )
+    return value
+
+
 # Bytes of each rank's ring (resident once used; not tensor memory, so not in the
-# allocator's figures). 0 turns rings off. Read at each group's first exchange.
-RING_BYTES = int(os.environ.get("FSDP_LITE_SHM_BYTES", 16 << 20))
+# allocator's figures), from FSDP_LITE_SHM_BYTES; 0 turns rings off. Each group's first
+# exchange sizes its rings with the value it finds here.
+RING_BYTES = _ring_bytes()
 ALIGN = 64  # every region starts here: any dtype's view of it is aligned
 HEADER = 4096  # the ring's first page: one int64 per group rank (see Ring)
 WAIT_SECONDS = 1.0  # how often a rank waiting for room calls its ``stalled`` callback

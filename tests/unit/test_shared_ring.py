@@ -5,7 +5,8 @@ peer's ring is an anonymous mapping this test writes the peer's reports into.
 - a region is reused only once every peer has reported taking it; until then ``stage``
   waits, calling ``stalled`` (where collectives.py answers divergence checks);
 - a failed exchange makes a waiting ``stage`` raise instead of waiting for ever;
-- what a peer reads at an offset is what was staged there.
+- what a peer reads at an offset is what was staged there;
+- a malformed ``FSDP_LITE_SHM_BYTES`` is refused with what it should be.
 """
 
 from __future__ import annotations
@@ -83,3 +84,12 @@ def test_a_failed_exchange_stops_the_wait(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="an earlier exchange failed") as err:
         ring.stage([_floats(20, 1.0)], stalled)  # 128 bytes; 64 are left
     assert "peer 1 closed" in str(err.value.__cause__)
+
+
+def test_ring_size_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("FSDP_LITE_SHM_BYTES", "0")
+    assert shared_ring._ring_bytes() == 0  # rings off
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv("FSDP_LITE_SHM_BYTES", bad)
+        with pytest.raises(ValueError, match="FSDP_LITE_SHM_BYTES must be a number of bytes"):
+            shared_ring._ring_bytes()
