@@ -148,7 +148,8 @@ def reduce_scatter(
     if ring is not None and ring.fits(len(peers) * chunks[0].nbytes):
         output.copy_(chunks[me])  # ``full`` is not needed past this call
         staged = [chunks[p] for p in peers]
-        return _through_ring(ring, group, staged, lambda i, src: output.add_(src), output, stalled)
+        add = lambda i, src: output.add_(src)  # noqa: E731
+        return _through_ring(ring, group, peers, staged, add, output, stalled)
     received = torch.empty((size - 1, chunks.shape[1]), dtype=full.dtype, device=full.device)
     ops = []
     for i, peer in enumerate(peers):
@@ -179,7 +180,7 @@ def all_gather(
     if ring is not None and ring.fits(shard.nbytes):
         # One copy in the ring, read by every peer.
         take = lambda i, src: chunks[peers[i]].copy_(src)  # noqa: E731
-        return _through_ring(ring, group, [shard], take, output, stalled)
+        return _through_ring(ring, group, peers, [shard], take, output, stalled)
     ops = []
     for peer in peers:
         ops += [(dist.isend, shard, peer), (dist.irecv, chunks[peer], peer)]
@@ -189,14 +190,16 @@ def all_gather(
 def _through_ring(
     ring: shared_ring.Ring,
     group: dist.ProcessGroup,
+    peers: list[int],
     staged: list[torch.Tensor],
     take: Callable[[int, torch.Tensor], Any],
     output: torch.Tensor,
     stalled: Callable[[], None] | None,
 ) -> Exchange:
-    """An exchange through ``ring``: ``staged`` (one tensor for every peer, or one per
-    peer in rank order) copied in, each peer told where its part is; ``take(i, part)``
-    with the i-th peer's part for this rank, read from that peer's ring.
+    """An exchange through ``ring`` with ``peers`` (group ranks, ascending): ``staged``
+    (one tensor for every peer, or one per peer in that order) copied in, each peer told
+    where its part is; ``take(i, part)`` with the i-th peer's part for this rank, read
+    from that peer's ring.
 
     One message to each peer, tiny, under this exchange's tag: the offset of its part.
     Every rank stages exactly one region per exchange through the ring, so region numbers
@@ -204,8 +207,7 @@ def _through_ring(
     (``Ring.taken``), and p writes there again once every peer has reported.
     """
     number, offsets = ring.stage(staged, stalled)
-    me, tag = group.rank(), _next_tag(group)
-    peers = [p for p in range(group.size()) if p != me]
+    tag = _next_tag(group)
     numel, dtype = staged[0].numel(), staged[0].dtype
     where = torch.tensor([offsets[min(i, len(offsets) - 1)] for i in range(len(peers))])
     theirs = torch.empty(len(peers), dtype=torch.int64)
@@ -234,8 +236,33 @@ def _ring(group: dist.ProcessGroup) -> shared_ring.Ring | None:
     """The group's ring, set up (by every rank together) at its first exchange."""
     key = group.group_name
     if key not in _rings:
-        _rings[key] = shared_ring.connect(group, shared_ring.RING_BYTES)
+        _rings[key] = _connect(group, shared_ring.RING_BYTES)
     return _rings[key]
+
+
+def _connect(group: dist.ProcessGroup, capacity: int) -> shared_ring.Ring | None:
+    """Every rank of ``group`` at once: a ring each, mapped by all, or ``None`` for all.
+    Each rank fills its own row of everyone's ring names, summed over the group; then the
+    ranks agree whether all of them mapped every peer's."""
+    me, name = group.rank(), shared_ring.new_name()
+    mine = shared_ring.create(name, capacity)
+    peers = None
+    try:
+        rows = torch.zeros((group.size(), shared_ring.NAME_BYTES + 1), dtype=torch.int64)
+        rows[me] = shared_ring.encode(name if mine is not None else "", capacity)
+        dist.all_reduce(rows, group=group)
+        names = [shared_ring.decode(row, capacity) for row in rows]
+        peers = shared_ring.open_peers(names, capacity, me)
+        agreed = torch.tensor([int(mine is not None and peers is not None)], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    finally:
+        if mine is not None:
+            shared_ring.unlink(name)
+    if not agreed.item():
+        shared_ring.close(mine, peers)
+        return None
+    assert mine is not None and peers is not None
+    return shared_ring.Ring(mine, peers, me)
 
 
 def _check_sizes(op: str, part: torch.Tensor, whole: torch.Tensor, size: int) -> None:

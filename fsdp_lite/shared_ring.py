@@ -10,8 +10,9 @@ Measured on this project's 2-core machine (W=2, the 4.3M GPT of ``make bench-ste
 fp32, ring and TCP on alternate steps of one run, 100 pairs): 3.5-8 ms less per ~370 ms
 step, and no full-size receive buffer beside a reduce-scatter's input.
 
-Set up once per group, at its first exchange, by every rank of it (two small collectives):
-each rank creates and maps its ring and every peer's; if any rank cannot (another host, no
+Set up once per group, at its first exchange, by every rank of it (two small collectives,
+issued by exchange.py; this file calls no collective): each rank creates and maps its ring
+and every peer's; if any rank cannot (another host, no
 ``/dev/shm``, ``FSDP_LITE_SHM_BYTES=0`` on some rank), no rank uses one for that group.
 The files are unlinked as soon as every rank has mapped them: past the setup, nothing is
 left in ``/dev/shm`` however the processes end.
@@ -32,7 +33,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 
 def _ring_bytes(default: int = 16 << 20) -> int:
@@ -57,8 +57,8 @@ ALIGN = 64  # every region starts here: any dtype's view of it is aligned
 HEADER = 4096  # the ring's first page: one int64 per group rank (see Ring)
 WAIT_SECONDS = 1.0  # how often a rank waiting for room calls its ``stalled`` callback
 POLL_SECONDS = 1e-4  # how often it looks again
+NAME_BYTES = 64  # a ring file name's room in ``encode``
 _SHM_DIR = "/dev/shm"
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Ring:
@@ -171,40 +171,25 @@ def carries(nbytes: int, capacity: int) -> bool:
     return nbytes <= capacity // 2
 
 
-def connect(group: dist.ProcessGroup, capacity: int) -> Ring | None:
-    """Every rank of ``group`` at once: a ring each, mapped by all, or ``None`` for all."""
-    name = f"fsdp_lite-{os.getpid()}-{secrets.token_hex(8)}"
-    mine = _create(name, HEADER + capacity) if capacity > 0 else None
-    try:
-        names = _everyones_name(name if mine is not None else "", capacity, group)
-        peers = _open_peers(names, HEADER + capacity, group.rank())
-        agreed = torch.tensor([int(mine is not None and peers is not None)], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    finally:
-        if mine is not None:
-            os.unlink(os.path.join(_SHM_DIR, name))  # every peer has it mapped, or never will
-    if not agreed.item():
-        for m in [mine, *(peers or {}).values()]:
-            if m is not None:
-                m.close()
-        return None
-    assert mine is not None and peers is not None
-    return Ring(mine, peers, group.rank())
+def new_name() -> str:
+    """A ring file name no other process uses."""
+    return f"fsdp_lite-{os.getpid()}-{secrets.token_hex(8)}"
 
 
-def _create(name: str, capacity: int) -> mmap.mmap | None:
-    """This rank's ring, its memory reserved now (a full ``/dev/shm`` fails here, not later
-    with a SIGBUS at first touch)."""
+def create(name: str, capacity: int) -> mmap.mmap | None:
+    """This rank's ring of ``capacity`` bytes (plus its header), its memory reserved now (a
+    full ``/dev/shm`` fails here, not later with a SIGBUS at first touch); ``None`` if it
+    cannot be made."""
     path = os.path.join(_SHM_DIR, name)
-    if not hasattr(os, "posix_fallocate"):  # not Linux: no /dev/shm to count on
+    if capacity <= 0 or not hasattr(os, "posix_fallocate"):  # off, or not Linux
         return None
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
         return None
     try:
-        os.posix_fallocate(fd, 0, capacity)
-        return mmap.mmap(fd, capacity)
+        os.posix_fallocate(fd, 0, HEADER + capacity)
+        return mmap.mmap(fd, HEADER + capacity)
     except OSError:
         os.unlink(path)
         return None
@@ -212,22 +197,25 @@ def _create(name: str, capacity: int) -> mmap.mmap | None:
         os.close(fd)
 
 
-def _everyones_name(name: str, capacity: int, group: dist.ProcessGroup) -> list[str]:
-    """Every rank's ring name ("" where it has none), through one gather of fixed size."""
-    width = 64
-    encoded = name.encode().ljust(width, b"\0")[:width] + capacity.to_bytes(8, "little")
-    mine = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-    everyone = torch.empty(group.size() * mine.numel(), dtype=torch.uint8)
-    _all_gather_flat(everyone, mine, group=group)
-    names = []
-    for row in everyone.view(group.size(), -1):
-        raw = bytes(row.tolist())
-        same_size = int.from_bytes(raw[width:], "little") == capacity
-        names.append(raw[:width].rstrip(b"\0").decode() if same_size else "")
-    return names
+def unlink(name: str) -> None:
+    """Once every peer has mapped it (or never will): nothing is left in ``/dev/shm``."""
+    os.unlink(os.path.join(_SHM_DIR, name))
 
 
-def _open_peers(names: list[str], capacity: int, me: int) -> dict[int, mmap.mmap] | None:
+def encode(name: str, capacity: int) -> torch.Tensor:
+    """A rank's ring name ("" for none) and capacity as one row of int64, for a collective."""
+    raw = name.encode().ljust(NAME_BYTES, b"\0")
+    assert len(raw) == NAME_BYTES, name
+    return torch.tensor([*raw, capacity], dtype=torch.int64)
+
+
+def decode(row: torch.Tensor, capacity: int) -> str:
+    """The name in an ``encode``d row; "" where that rank has none of this capacity."""
+    *raw, theirs = row.tolist()
+    return bytes(raw).rstrip(b"\0").decode() if theirs == capacity else ""
+
+
+def open_peers(names: list[str], capacity: int, me: int) -> dict[int, mmap.mmap] | None:
     """Map every peer's ring; ``None`` if any is missing (another host, or none made)."""
     peers: dict[int, mmap.mmap] = {}
     for rank, name in enumerate(names):
@@ -238,14 +226,20 @@ def _open_peers(names: list[str], capacity: int, me: int) -> dict[int, mmap.mmap
                 raise FileNotFoundError(name)
             fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
             try:
-                peers[rank] = mmap.mmap(fd, capacity)
+                peers[rank] = mmap.mmap(fd, HEADER + capacity)
             finally:
                 os.close(fd)
         except OSError:
-            for m in peers.values():
-                m.close()
+            close(None, peers)
             return None
     return peers
+
+
+def close(mine: mmap.mmap | None, peers: dict[int, mmap.mmap] | None) -> None:
+    """Unmap rings no ``Ring`` was made of (a group that does without)."""
+    for m in [mine, *(peers or {}).values()]:
+        if m is not None:
+            m.close()
 
 
 def _aligned(nbytes: int) -> int:
