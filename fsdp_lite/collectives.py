@@ -525,7 +525,7 @@ class _Guard:
         base = f"fsdp_lite/check/{group.group_name}/{iteration}/{position}/"
         store.set(base + str(dist.get_rank()), repr(mine))
         keys = [base + str(r) for r in ranks]
-        timeout = datetime.timedelta(seconds=self.timeout or _pg_timeout(group))
+        timeout = datetime.timedelta(seconds=self.timeout or exchange.group_timeout(group))
         try:
             store.wait(keys, timeout)
         except RuntimeError as e:
@@ -547,14 +547,6 @@ class _Guard:
 
 def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
-
-
-def _pg_timeout(group: ProcessGroup) -> float:
-    """The group's collective timeout in seconds (what a hung collective would wait)."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return dist.default_pg_timeout.total_seconds()
 
 
 def _at(log: list[Entry] | None, position: int) -> Entry | None:

@@ -18,14 +18,14 @@ thread's word. (gloo's own wait on a message with a timeout closes the connectio
 the timeout runs out, and ``collectives.py`` waits in short timeouts to watch for
 diverged ranks.)
 
-When every rank of the group is on this host, each exchange goes through shared memory
-instead (``shared_ring.py``): a rank copies what its peers need into its own ring and
-sends each peer only where it is; the peer reads it straight from that ring into its
-result (the sum in the same order), on the waiting thread. Nothing is kept past the call
-but the output: the input is in the ring already. Payloads over half the ring still go
-over TCP.
+When every rank of the group is on this host (x86-64 Linux), each exchange goes through
+shared memory instead (``shared_ring.py``), with no message at all: a rank copies what its
+peers need into its own ring and announces where in the ring's header; the peer, on the
+waiting thread, sleeps until the announcement and reads straight from that ring into its
+result (the sum in the same order). Nothing is kept past the call but the output: the
+input is in the ring already. Payloads over half the ring still go over TCP.
 
-Each exchange's messages carry a tag from a per-group counter, so two exchanges in flight
+Each exchange's TCP messages carry a tag from a per-group counter, so two exchanges in flight
 (a prefetched gather beside a reduce-scatter) never take each other's messages: the
 counter advances identically on every rank, since every rank issues the same collectives
 in the same order (what ``collectives.GUARD`` checks). Memory over TCP: the input is kept
@@ -197,32 +197,25 @@ def _through_ring(
     stalled: Callable[[], None] | None,
 ) -> Exchange:
     """An exchange through ``ring`` with ``peers`` (group ranks, ascending): ``staged``
-    (one tensor for every peer, or one per peer in that order) copied in, each peer told
-    where its part is; ``take(i, part)`` with the i-th peer's part for this rank, read
-    from that peer's ring.
+    (one tensor for every peer, or one per peer in that order) copied in and announced;
+    ``take(i, part)`` with the i-th peer's part for this rank, read from that peer's ring
+    once announced there.
 
-    One message to each peer, tiny, under this exchange's tag: the offset of its part.
-    Every rank stages exactly one region per exchange through the ring, so region numbers
-    agree across ranks: taking peer p's part of region n is reported to p as ``n``
-    (``Ring.taken``), and p writes there again once every peer has reported.
+    No message: every rank stages exactly one region per exchange through the ring, so
+    this exchange is region ``number`` in every rank's ring, and peer p's part for this
+    rank is the one at this rank's place among p's peers. Taking it is reported to p as
+    ``number`` (``Ring.taken``); p writes there again once every peer has reported.
     """
-    number, offsets = ring.stage(staged, stalled)
-    tag = _next_tag(group)
-    numel, dtype = staged[0].numel(), staged[0].dtype
-    where = torch.tensor([offsets[min(i, len(offsets) - 1)] for i in range(len(peers))])
-    theirs = torch.empty(len(peers), dtype=torch.int64)
-    sends = [group.send([where[i : i + 1]], p, tag) for i, p in enumerate(peers)]
-    heard = [group.recv([theirs[i : i + 1]], p, tag) for i, p in enumerate(peers)]
+    number = ring.stage(staged, stalled)
+    numel, dtype, me = staged[0].numel(), staged[0].dtype, group.rank()
 
     def finish() -> None:
         for i, peer in enumerate(peers):
-            take(i, ring.peer_view(peer, int(theirs[i]), numel, dtype))
+            take(i, ring.part(peer, number, me - (me > peer), numel, dtype))
             ring.taken(peer, number)
-        for work in sends:
-            work.wait()
 
     # A failed exchange: peers may never take their parts, so no room may ever come.
-    return Exchange(heard, [output, where, theirs], finish, ring.fail)
+    return Exchange([], [output], finish, ring.fail)
 
 
 def ring_tensors() -> list[torch.Tensor]:
@@ -262,7 +255,16 @@ def _connect(group: dist.ProcessGroup, capacity: int) -> shared_ring.Ring | None
         shared_ring.close(mine, peers)
         return None
     assert mine is not None and peers is not None
-    return shared_ring.Ring(mine, peers, me)
+    pids = {rank: shared_ring.pid_of(names[rank]) for rank in peers}
+    return shared_ring.Ring(mine, peers, me, pids, group_timeout(group))
+
+
+def group_timeout(group: dist.ProcessGroup) -> float:
+    """The group's collective timeout in seconds (what a hung collective would wait)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout.total_seconds()
 
 
 def _check_sizes(op: str, part: torch.Tensor, whole: torch.Tensor, size: int) -> None:

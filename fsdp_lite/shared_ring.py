@@ -3,12 +3,11 @@
 Over gloo's TCP, each byte of an exchange is copied twice by the kernel (into the socket,
 out of it), in syscalls made on whichever thread sends, and a large message waits for the
 receiver to drain the socket. Ranks on one host can do with one copy: a rank stages what
-its peers need in its own ring (a file in ``/dev/shm`` that every rank of the group maps),
-sends each peer only the offset, and the peer copies (or sums) straight from the ring into
-its result, then says so in its own ring's header, after which the region is reused.
-Measured on this project's 2-core machine (W=2, the 4.3M GPT of ``make bench-step``,
-fp32, ring and TCP on alternate steps of one run, 100 pairs): 3.5-8 ms less per ~370 ms
-step, and no full-size receive buffer beside a reduce-scatter's input.
+its peers need in its own ring (a file in ``/dev/shm`` that every rank of the group maps)
+and announces where in the ring's header; the peer copies (or sums) straight from the ring
+into its result, then says so in its own ring's header, after which the region is reused.
+No message passes between the ranks: a rank waiting for an announcement sleeps on a futex
+in the shared header, which the announcing rank wakes.
 
 Set up once per group, at its first exchange, by every rank of it (two small collectives,
 issued by exchange.py; this file calls no collective): each rank creates and maps its ring
@@ -16,6 +15,12 @@ and every peer's; if any rank cannot (another host, no
 ``/dev/shm``, ``FSDP_LITE_SHM_BYTES=0`` on some rank), no rank uses one for that group.
 The files are unlinked as soon as every rank has mapped them: past the setup, nothing is
 left in ``/dev/shm`` however the processes end.
+
+Announcements, not gloo messages: a tiny gloo send and the receive posted beside it cost
+the issuing thread 0.15-0.7 ms each on this project's 2-core machine (13 exchanges per step
+of ``make bench-step``'s GPT), against microseconds for a store and a wake. Rings are made
+on x86-64 only: the announcement is read after the staged bytes only because x86 keeps a
+thread's stores in order (TSO), and Python has no fence to issue elsewhere.
 
 Regions are taken and released in issue order (every exchange is completed in that order
 by exchange.py's waiting thread); a payload over half the ring goes over TCP instead, so a
@@ -25,8 +30,10 @@ ring never waits for more than the exchanges issued before it.
 from __future__ import annotations
 
 import collections
+import ctypes
 import mmap
 import os
+import platform
 import secrets
 import struct
 import time
@@ -54,9 +61,15 @@ def _ring_bytes(default: int = 16 << 20) -> int:
 # exchange sizes its rings with the value it finds here.
 RING_BYTES = _ring_bytes()
 ALIGN = 64  # every region starts here: any dtype's view of it is aligned
-HEADER = 4096  # the ring's first page: one int64 per group rank (see Ring)
-WAIT_SECONDS = 1.0  # how often a rank waiting for room calls its ``stalled`` callback
-POLL_SECONDS = 1e-4  # how often it looks again
+# The ring's header (see Ring): at _TAKEN one int64 per group rank; at _PUBLISHED the
+# newest region's number (its low 32 bits are the futex word); at _TABLE, where each of
+# the last TABLE_ENTRIES regions is: (number, bytes per part, parts, offset of each part).
+HEADER = 16384
+_TAKEN, _PUBLISHED, _TABLE, _ENTRY = 0, 512, 1024, 128
+TABLE_ENTRIES = 64  # regions in flight at most: a rank this far ahead waits for room
+MAX_PARTS = _ENTRY // 8 - 3
+WAIT_SECONDS = 1.0  # how often a waiting rank calls ``stalled`` and looks for its peers
+POLL_SECONDS = 1e-4  # how often a rank waiting for room looks again
 NAME_BYTES = 64  # a ring file name's room in ``encode``
 _SHM_DIR = "/dev/shm"
 
@@ -64,20 +77,37 @@ _SHM_DIR = "/dev/shm"
 class Ring:
     """This rank's ring (written) and its peers' (read), with the regions still in use.
 
-    Each region is numbered in issue order from 1. A rank that has taken its part of
-    region ``n`` from peer ``p``'s ring writes ``n`` into slot ``p`` of its *own* ring's
-    header; ``p`` reads it there. No message: a region is free again once every peer's
-    slot for this rank has reached its number (read when looking for room). On x86 the
-    store that publishes ``n`` is not seen before the loads of the copy that precede it.
+    Each region is numbered in issue order from 1; every rank stages one region per
+    exchange through its ring, so exchange ``n`` is region ``n`` in every rank's ring.
+    ``stage`` copies the parts in, writes where they are into the table entry for ``n``,
+    then ``n`` into the published count, and wakes whoever waits on it. A peer waits for
+    the count to reach ``n`` (``part``), reads the entry, and, once it has taken its part,
+    writes ``n`` into slot ``p`` of its *own* ring's header (``taken``); ``p`` reads it
+    there: a region is free again once every peer's slot for this rank has reached its
+    number. On x86 a store is not seen before the stores that precede it, nor a load
+    done after the loads that follow it.
+
+    ``pids``: each peer's process, looked for while waiting on it (a peer that is gone
+    raises, as a closed connection would); ``timeout``: seconds a rank waits for a peer
+    before raising (the process group's).
     """
 
-    def __init__(self, mine: mmap.mmap, peers: dict[int, mmap.mmap], me: int) -> None:
+    def __init__(
+        self,
+        mine: mmap.mmap,
+        peers: dict[int, mmap.mmap],
+        me: int,
+        pids: dict[int, int] | None = None,
+        timeout: float = float("inf"),
+    ) -> None:
         self.capacity = len(mine) - HEADER
         self.me = me
         self._mine_map = mine
         self._peer_maps = peers  # mapped for the process's lifetime
         self._mine = torch.frombuffer(mine, dtype=torch.uint8)
         self._peers = {r: torch.frombuffer(m, dtype=torch.uint8) for r, m in peers.items()}
+        self._pids = pids or {}
+        self._timeout = timeout
         # (start, end, number) of the regions peers may still read, oldest first.
         self._regions: collections.deque[tuple[int, int, int]] = collections.deque()
         self._head = HEADER  # where the next region is tried first
@@ -93,52 +123,103 @@ class Ring:
         """Whether a payload of ``nbytes`` goes through the ring (the same on every rank)."""
         return carries(nbytes, self.capacity)
 
-    def stage(
-        self, tensors: list[torch.Tensor], stalled: Callable[[], None] | None = None
-    ) -> tuple[int, list[int]]:
-        """Copy ``tensors`` into one new region; return its number and each tensor's offset.
+    def stage(self, tensors: list[torch.Tensor], stalled: Callable[[], None] | None = None) -> int:
+        """Copy ``tensors`` (equal sizes) into one new region and announce it; return its
+        number.
 
         Waits for room while earlier regions are still read by peers, calling ``stalled``
         every ``WAIT_SECONDS`` of waiting (collectives.py answers divergence checks there).
         """
+        assert len(tensors) <= MAX_PARTS and len({t.nbytes for t in tensors}) == 1
         sizes = [_aligned(t.nbytes) for t in tensors]
         start = self._reserve(sum(sizes), stalled)
         self._issued += 1
-        self._regions.append((start, start + sum(sizes), self._issued))
+        number = self._issued
+        self._regions.append((start, start + sum(sizes), number))
         self._head = start + sum(sizes)
-        offsets, at = [], start
-        for t, size in zip(tensors, sizes, strict=True):
+        offsets = [start + sum(sizes[:i]) for i in range(len(tensors))]
+        for t, at in zip(tensors, offsets, strict=True):
             self._mine[at : at + t.nbytes].view(t.dtype).copy_(t.reshape(-1))
-            offsets.append(at)
-            at += size
-        return self._issued, offsets
+        entry = (number, tensors[0].nbytes, len(offsets), *offsets)
+        struct.pack_into(f"<{len(entry)}q", self._mine_map, _entry_at(number), *entry)
+        struct.pack_into("<q", self._mine_map, _PUBLISHED, number)  # after the bytes
+        _futex_wake(self._mine.data_ptr() + _PUBLISHED)
+        return number
 
-    def peer_view(self, peer: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """``numel`` elements of ``dtype`` at ``offset`` in group rank ``peer``'s ring."""
-        return self._peers[peer][offset : offset + numel * dtype.itemsize].view(dtype)
+    def part(
+        self, peer: int, number: int, index: int, numel: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Group rank ``peer``'s ``index``-th part of its region ``number`` (its only part,
+        if it staged one for every peer), once announced, as ``numel`` elements of
+        ``dtype``. Raises if the peer staged something else there: the ranks issued
+        different exchanges."""
+        self._await(peer, number)
+        entry = struct.unpack_from(f"<{MAX_PARTS + 3}q", self._peer_maps[peer], _entry_at(number))
+        got, nbytes, parts = entry[:3]
+        if got != number or nbytes != numel * dtype.itemsize:
+            raise RuntimeError(
+                f"fsdp_lite: group rank {peer} staged {nbytes} bytes for its exchange #{number} "
+                f"where this rank exchanges {numel * dtype.itemsize}: the ranks issued different "
+                "collectives. Make every rank run the same units in the same order"
+            )
+        offset = entry[3 + min(index, parts - 1)]
+        return self._peers[peer][offset : offset + nbytes].view(dtype)
 
     def taken(self, peer: int, number: int) -> None:
         """This rank has taken its part of ``peer``'s region ``number`` (and every earlier)."""
-        struct.pack_into("<q", self._mine_map, 8 * peer, number)
+        struct.pack_into("<q", self._mine_map, _TAKEN + 8 * peer, number)
 
     def fail(self, error: BaseException) -> None:
         """An exchange failed: peers may never take their parts; waiting for room raises."""
         self.broken = error
 
+    def _await(self, peer: int, number: int) -> None:
+        """Until ``peer`` has announced region ``number``, asleep on its published count."""
+        shared, address = self._peer_maps[peer], self._peers[peer].data_ptr() + _PUBLISHED
+        since = looked = time.monotonic()
+        while (published := struct.unpack_from("<q", shared, _PUBLISHED)[0]) < number:
+            self._raise_if_broken()
+            if time.monotonic() - looked >= WAIT_SECONDS:
+                looked = time.monotonic()
+                self._look_for(peer, number, since)
+            _futex_wait(address, published, WAIT_SECONDS)
+
     def _reserve(self, nbytes: int, stalled: Callable[[], None] | None) -> int:
-        waited = 0.0
+        since = looked = time.monotonic()
         while True:
-            if self.broken is not None:
-                raise RuntimeError("fsdp_lite: an earlier exchange failed") from self.broken
+            self._raise_if_broken()
             self._reclaim()
-            start = self._free_start(nbytes)
+            start = self._free_start(nbytes) if len(self._regions) < TABLE_ENTRIES else None
             if start is not None:
                 return start
             time.sleep(POLL_SECONDS)
-            waited += POLL_SECONDS
-            if waited >= WAIT_SECONDS and stalled is not None:
-                waited = 0.0
-                stalled()
+            if time.monotonic() - looked >= WAIT_SECONDS:
+                looked = time.monotonic()
+                oldest = self._regions[0][2]
+                for peer in self._peers:
+                    if self._taken_by(peer) < oldest:
+                        self._look_for(peer, oldest, since)
+                if stalled is not None:
+                    stalled()
+
+    def _raise_if_broken(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError("fsdp_lite: an earlier exchange failed") from self.broken
+
+    def _look_for(self, peer: int, number: int, since: float) -> None:
+        """Waiting on ``peer`` for region ``number`` since ``since``: raise if its process
+        is gone or past the timeout."""
+        pid = self._pids.get(peer)
+        if pid is not None and not _alive(pid):
+            raise RuntimeError(
+                f"fsdp_lite: group rank {peer} (process {pid}) is gone: connection closed by "
+                f"peer while this rank waited for its region #{number}"
+            )
+        if time.monotonic() - since > self._timeout:
+            raise RuntimeError(
+                f"fsdp_lite: group rank {peer} did not reach its region #{number} within the "
+                f"process group's timeout ({self._timeout:.0f} s): timed out"
+            )
 
     def _reclaim(self) -> None:
         """Forget the oldest regions every peer has taken its part of."""
@@ -149,7 +230,7 @@ class Ring:
             self._regions.popleft()
 
     def _taken_by(self, peer: int) -> int:
-        return struct.unpack_from("<q", self._peer_maps[peer], 8 * self.me)[0]
+        return struct.unpack_from("<q", self._peer_maps[peer], _TAKEN + 8 * self.me)[0]
 
     def _free_start(self, nbytes: int) -> int | None:
         """Where ``nbytes`` fit without touching a region in use: after the newest, else
@@ -172,8 +253,13 @@ def carries(nbytes: int, capacity: int) -> bool:
 
 
 def new_name() -> str:
-    """A ring file name no other process uses."""
+    """A ring file name no other process uses; it says which process made it."""
     return f"fsdp_lite-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def pid_of(name: str) -> int:
+    """The process that made the ring ``name`` (``new_name``)."""
+    return int(name.split("-")[1])
 
 
 def create(name: str, capacity: int) -> mmap.mmap | None:
@@ -181,7 +267,7 @@ def create(name: str, capacity: int) -> mmap.mmap | None:
     full ``/dev/shm`` fails here, not later with a SIGBUS at first touch); ``None`` if it
     cannot be made."""
     path = os.path.join(_SHM_DIR, name)
-    if capacity <= 0 or not hasattr(os, "posix_fallocate"):  # off, or not Linux
+    if capacity <= 0 or not _FUTEX:  # off, or not Linux on x86-64
         return None
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -216,13 +302,14 @@ def decode(row: torch.Tensor, capacity: int) -> str:
 
 
 def open_peers(names: list[str], capacity: int, me: int) -> dict[int, mmap.mmap] | None:
-    """Map every peer's ring; ``None`` if any is missing (another host, or none made)."""
+    """Map every peer's ring; ``None`` if any is missing (another host, or none made) or
+    its process is not one this process can see (``Ring`` looks for it while waiting)."""
     peers: dict[int, mmap.mmap] = {}
     for rank, name in enumerate(names):
         if rank == me:
             continue
         try:
-            if not name:
+            if not name or not _alive(pid_of(name)):
                 raise FileNotFoundError(name)
             fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
             try:
@@ -244,3 +331,60 @@ def close(mine: mmap.mmap | None, peers: dict[int, mmap.mmap] | None) -> None:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def _entry_at(number: int) -> int:
+    return _TABLE + _ENTRY * (number % TABLE_ENTRIES)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+# futex(2) on the published count, through libc's syscall(): x86-64 Linux only, where
+# rings are made (see the module's docstring). FUTEX_WAIT and FUTEX_WAKE without
+# FUTEX_PRIVATE_FLAG: the word is in memory shared between processes.
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _libc_syscall() -> Callable[..., int] | None:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall  # releases the GIL while in it
+    except (OSError, AttributeError):
+        return None
+    syscall.restype = ctypes.c_long
+    syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+    return syscall
+
+
+_FUTEX = _libc_syscall()
+
+
+def _futex_wait(address: int, seen: int, seconds: float) -> None:
+    """Sleep until woken, at most ``seconds``, unless the 32-bit word at ``address`` no
+    longer holds ``seen``'s low 32 bits (then return at once)."""
+    if _FUTEX is None:  # no ring is made without it; a test's ring may be
+        time.sleep(POLL_SECONDS)
+        return
+    timeout = _Timespec(int(seconds), int(seconds % 1 * 1e9))
+    _FUTEX(_SYS_FUTEX, address, _FUTEX_WAIT, ctypes.c_int(seen & 0xFFFFFFFF).value,
+           ctypes.addressof(timeout), None, 0)  # fmt: skip
+
+
+def _futex_wake(address: int) -> None:
+    """Wake every thread of any process asleep on the word at ``address``."""
+    if _FUTEX is not None:
+        _FUTEX(_SYS_FUTEX, address, _FUTEX_WAKE, 2**31 - 1, None, None, 0)

@@ -1,11 +1,15 @@
-"""The shared-memory ring's bookkeeping (fsdp_lite/shared_ring.py), in one process: a
-peer's ring is an anonymous mapping this test writes the peer's reports into.
+"""The shared-memory rings (fsdp_lite/shared_ring.py), in one process: W rings on anonymous
+shared mappings, each ``Ring`` holding its own and mapping its peers', as W ranks would.
 
+- what a peer reads is what was staged for it (one part for all, or one part per peer);
+- a peer waits for the announcement and is woken by it (not by its timeout);
+- a part of another size than the reader expects is refused: the ranks diverged;
 - regions are placed after the newest, wrap to the start, and never overlap one in use;
 - a region is reused only once every peer has reported taking it; until then ``stage``
   waits, calling ``stalled`` (where collectives.py answers divergence checks);
-- a failed exchange makes a waiting ``stage`` raise instead of waiting for ever;
-- what a peer reads at an offset is what was staged there;
+- at most ``TABLE_ENTRIES`` regions are in flight;
+- a failed exchange makes a waiting ``stage`` raise; a peer whose process is gone, or one
+  that does not come within the timeout, makes a waiting ``part`` raise;
 - a malformed ``FSDP_LITE_SHM_BYTES`` is refused with what it should be.
 """
 
@@ -13,6 +17,10 @@ from __future__ import annotations
 
 import mmap
 import struct
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -22,60 +30,118 @@ from fsdp_lite import shared_ring
 CAPACITY = 4096
 
 
-def _ring(me: int = 0, peers: tuple[int, ...] = (1, 2)) -> tuple[shared_ring.Ring, dict]:
-    size = shared_ring.HEADER + CAPACITY
-    peer_maps = {p: mmap.mmap(-1, size) for p in peers}
-    return shared_ring.Ring(mmap.mmap(-1, size), peer_maps, me), peer_maps
+def _rings(world: int = 3, **kwargs) -> list[shared_ring.Ring]:
+    maps = [mmap.mmap(-1, shared_ring.HEADER + CAPACITY) for _ in range(world)]
+    return [
+        shared_ring.Ring(maps[r], {p: maps[p] for p in range(world) if p != r}, r, **kwargs)
+        for r in range(world)
+    ]
 
 
-def _report(peer_map: mmap.mmap, me: int, number: int) -> None:
-    """What ``peer`` writes once it has taken region ``number`` of rank ``me``."""
-    struct.pack_into("<q", peer_map, 8 * me, number)
+def _offsets(ring: shared_ring.Ring, number: int) -> list[int]:
+    """Where ``ring``'s region ``number`` put its parts (its table entry)."""
+    at = shared_ring._entry_at(number)
+    got, _, parts = struct.unpack_from("<3q", ring._mine_map, at)
+    assert got == number
+    return list(struct.unpack_from(f"<{parts}q", ring._mine_map, at + 24))
 
 
 def _floats(n: int, value: float) -> torch.Tensor:
     return torch.full((n,), value)
 
 
-def test_regions_wrap_and_wait_for_every_peer(monkeypatch) -> None:
+def _take(reader: shared_ring.Ring, writer: int, number: int, index: int = 0) -> torch.Tensor:
+    part = reader.part(writer, number, index, 400, torch.float32).clone()
+    reader.taken(writer, number)
+    return part
+
+
+@pytest.fixture
+def quick(monkeypatch) -> None:
     monkeypatch.setattr(shared_ring, "POLL_SECONDS", 1e-4)
     monkeypatch.setattr(shared_ring, "WAIT_SECONDS", 1e-3)
-    ring, peers = _ring()
-    assert ring.fits(CAPACITY // 2) and not ring.fits(CAPACITY // 2 + 1)
-    first, (a,) = ring.stage([_floats(400, 1.0)])  # 1600 bytes, a multiple of ALIGN
-    second, (b,) = ring.stage([_floats(400, 2.0)])
+
+
+def test_part_reads_what_was_staged() -> None:
+    rings = _rings()
+    shared = torch.arange(10, dtype=torch.bfloat16)
+    assert rings[0].stage([shared]) == 1  # an all-gather: one part, read by every peer
+    for reader in (1, 2):
+        assert torch.equal(rings[reader].part(0, 1, reader - 1, 10, torch.bfloat16), shared)
+    one, two = _floats(5, 1.0), _floats(5, 2.0)
+    assert rings[1].stage([one, two]) == 1  # a reduce-scatter: a part per peer, in order
+    assert torch.equal(rings[0].part(1, 1, 0, 5, torch.float32), one)
+    assert torch.equal(rings[2].part(1, 1, 1, 5, torch.float32), two)
+    rings[2].taken(1, 1)  # reported in rank 2's own header, in rank 1's slot
+    assert struct.unpack_from("<q", rings[2]._mine_map, 8)[0] == 1
+
+
+def test_part_is_woken_by_the_announcement(monkeypatch) -> None:
+    monkeypatch.setattr(shared_ring, "WAIT_SECONDS", 30.0)  # not woken by the timeout
+    rings = _rings(2)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(_take(rings[1], 0, 1)))
+    start = time.monotonic()
+    reader.start()
+    time.sleep(0.05)
+    assert not got  # waiting for rank 0 to stage region 1
+    rings[0].stage([_floats(400, 7.0)])
+    reader.join(timeout=10)
+    assert got and torch.equal(got[0], _floats(400, 7.0))
+    assert time.monotonic() - start < 10
+
+
+def test_a_part_of_another_size_is_refused() -> None:
+    rings = _rings(2)
+    rings[0].stage([_floats(10, 1.0)])
+    with pytest.raises(RuntimeError, match="the ranks issued different collectives"):
+        rings[1].part(0, 1, 0, 12, torch.float32)
+
+
+def test_regions_wrap_and_wait_for_every_peer(quick) -> None:
+    rings = _rings()
+    writer = rings[0]
+    assert writer.fits(CAPACITY // 2) and not writer.fits(CAPACITY // 2 + 1)
+    first = writer.stage([_floats(400, 1.0)])  # 1600 bytes, a multiple of ALIGN
+    second = writer.stage([_floats(400, 2.0)])
     assert (first, second) == (1, 2)
+    (a,), (b,) = _offsets(writer, 1), _offsets(writer, 2)
     assert a == shared_ring.HEADER and b == a + 1600
 
     stalls = []
 
     def stalled() -> None:  # the peers catch up while this rank waits
         stalls.append(1)
-        _report(peers[1], 0, 1)
-        if len(stalls) >= 3:
-            _report(peers[2], 0, 1)  # the last peer to take region 1
+        if len(stalls) == 1:
+            assert torch.equal(_take(rings[1], 0, 1), _floats(400, 1.0))
+        if len(stalls) == 3:
+            _take(rings[2], 0, 1)  # the last peer to take region 1
 
-    third, (c,) = ring.stage([_floats(400, 3.0)], stalled)
-    assert third == 3 and c == shared_ring.HEADER  # wrapped into region 1's room
+    third = writer.stage([_floats(400, 3.0)], stalled)
+    assert third == 3 and _offsets(writer, 3) == [shared_ring.HEADER]  # region 1's room
     assert len(stalls) == 3  # waited until both peers had taken region 1, not one
-    view = ring._mine[c : c + 1600].view(torch.float32)
-    assert torch.equal(view, _floats(400, 3.0))
+    assert torch.equal(_take(rings[2], 0, 2), _floats(400, 2.0))  # region 2 is untouched
+    assert torch.equal(_take(rings[1], 0, 3), _floats(400, 3.0))
 
 
-def test_peer_view_reads_what_was_staged() -> None:
-    ring, peers = _ring(me=1, peers=(0,))
-    staged = torch.arange(10, dtype=torch.bfloat16)
-    peers[0][shared_ring.HEADER + 64 : shared_ring.HEADER + 84] = staged.view(torch.uint8).numpy()
-    got = ring.peer_view(0, shared_ring.HEADER + 64, 10, torch.bfloat16)
-    assert torch.equal(got, staged)
-    ring.taken(0, 7)  # reported in this rank's own header, slot 0
-    assert struct.unpack_from("<q", ring._mine_map, 0)[0] == 7
+def test_regions_in_flight_are_bounded(quick, monkeypatch) -> None:
+    monkeypatch.setattr(shared_ring, "TABLE_ENTRIES", 2)
+    rings = _rings(2)
+    rings[0].stage([_floats(1, 1.0)])
+    rings[0].stage([_floats(1, 2.0)])  # the ring has room; the table has not
+    stalls = []
+
+    def stalled() -> None:
+        stalls.append(1)
+        rings[1].part(0, 1, 0, 1, torch.float32)
+        rings[1].taken(0, 1)
+
+    assert rings[0].stage([_floats(1, 3.0)], stalled) == 3
+    assert stalls and torch.equal(rings[1].part(0, 2, 0, 1, torch.float32), _floats(1, 2.0))
 
 
-def test_a_failed_exchange_stops_the_wait(monkeypatch) -> None:
-    monkeypatch.setattr(shared_ring, "POLL_SECONDS", 1e-4)
-    monkeypatch.setattr(shared_ring, "WAIT_SECONDS", 1e-3)
-    ring, _ = _ring()
+def test_a_failed_exchange_stops_the_wait(quick) -> None:
+    ring = _rings()[0]
     ring.stage([_floats(1000, 1.0)])  # 4000 bytes: the ring is full until peers report
 
     def stalled() -> None:
@@ -84,6 +150,17 @@ def test_a_failed_exchange_stops_the_wait(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="an earlier exchange failed") as err:
         ring.stage([_floats(20, 1.0)], stalled)  # 128 bytes; 64 are left
     assert "peer 1 closed" in str(err.value.__cause__)
+
+
+def test_a_gone_peer_or_the_timeout_stops_the_wait(quick) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    reader = _rings(2, pids={0: gone.pid, 1: gone.pid})[1]
+    with pytest.raises(RuntimeError, match=r"group rank 0 \(process \d+\) is gone"):
+        reader.part(0, 1, 0, 10, torch.float32)
+    reader = _rings(2, timeout=0.05)[1]
+    with pytest.raises(RuntimeError, match="did not reach its region #1 .* timed out"):
+        reader.part(0, 1, 0, 10, torch.float32)
 
 
 def test_ring_size_from_the_environment(monkeypatch) -> None:
