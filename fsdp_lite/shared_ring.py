@@ -12,7 +12,8 @@ in the shared header, which the announcing rank wakes.
 Set up once per group, at its first exchange, by every rank of it (two small collectives,
 issued by exchange.py; this file calls no collective): each rank creates and maps its ring
 and every peer's; if any rank cannot (another host, no
-``/dev/shm``, ``FSDP_LITE_SHM_BYTES=0`` on some rank), no rank uses one for that group.
+``/dev/shm``, a peer's process it cannot see, not x86-64 Linux, ``FSDP_LITE_SHM_BYTES=0``
+on some rank), no rank uses one for that group.
 The files are unlinked as soon as every rank has mapped them: past the setup, nothing is
 left in ``/dev/shm`` however the processes end.
 
