@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from cases import gpt, gpt_run, token_batch, wrap_blocks
+from cases import PRECISIONS, gpt, gpt_run, token_batch, wrap_blocks
 from torch import nn
 
 import fsdp_lite
@@ -30,7 +30,9 @@ def _equivalence(world: int) -> None:
         for raf in (None, True, False):
             wrap = functools.partial(wrap_blocks, prefetch=policy, reshard_after_forward=raf)
             compare_training(gpt_run(f"prefetch {name}", world, raf=raf, wrap=wrap))
-    wrap = functools.partial(wrap_blocks, prefetch=PrefetchPolicy(max_in_flight=1))
+    wrap = functools.partial(
+        wrap_blocks, prefetch=PrefetchPolicy(max_in_flight=1), mixed_precision=PRECISIONS["bf16"][0]
+    )
     compare_training(gpt_run("prefetch limit 1", world, "bf16", wrap=wrap))
 
 
