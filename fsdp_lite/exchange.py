@@ -40,6 +40,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -50,11 +51,24 @@ from fsdp_lite import shared_ring
 
 MAX_RANKS = 8
 _TAGS = 1 << 20
-# group name -> exchanges issued on it. By name, not id(): c10d names groups in creation
-# order, the same on every rank, where an id() a dead group left behind could be reused
-# on one rank only, and its stale count would pair messages under different tags.
-_sequence: dict[str, int] = {}
-_rings: dict[str, shared_ring.Ring | None] = {}  # group name -> its ring (None: TCP only)
+
+
+class _Group:
+    """What this process keeps per process group: its exchange count (the next tag) and
+    its ring. Found by the group's name (c10d names groups in creation order, the same on
+    every rank, where an id() a dead group left behind could be reused on one rank only),
+    and kept only while it is the same group: a group destroyed and made again under the
+    same name (``destroy_process_group``, then ``init_process_group``) starts afresh on
+    every rank, or the ranks' stale counts would pair different exchanges."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = weakref.ref(group)
+        self.sequence = 0
+        self.connected = False
+        self.ring: shared_ring.Ring | None = None  # None: TCP messages only
+
+
+_groups: dict[str, _Group] = {}
 # What c10d's Work.wait(timeout) raises when the timeout runs out (collectives.py watches
 # for it and waits again).
 WAIT_TIMED_OUT = "Operation timed out!"
@@ -222,15 +236,26 @@ def ring_tensors() -> list[torch.Tensor]:
     """Every ring this process has mapped, as tensors: memory that lives as long as the
     process. Pass them to ``MemTracker.track_external``, or it counts a ring's 16 MiB as
     allocated by whatever first touches a view of it while tracking."""
-    return [t for ring in _rings.values() if ring is not None for t in ring.tensors()]
+    return [t for g in _groups.values() if g.ring is not None for t in g.ring.tensors()]
+
+
+def _state(group: dist.ProcessGroup) -> _Group:
+    key = group.group_name
+    state = _groups.get(key)
+    if state is None or state.group() is not group:
+        if state is not None and state.ring is not None:  # its waiting exchanges give up
+            state.ring.fail(RuntimeError(f"process group '{key}' was destroyed"))
+        state = _groups[key] = _Group(group)
+    return state
 
 
 def _ring(group: dist.ProcessGroup) -> shared_ring.Ring | None:
     """The group's ring, set up (by every rank together) at its first exchange."""
-    key = group.group_name
-    if key not in _rings:
-        _rings[key] = _connect(group, shared_ring.RING_BYTES)
-    return _rings[key]
+    state = _state(group)
+    if not state.connected:
+        state.ring = _connect(group, shared_ring.RING_BYTES)
+        state.connected = True
+    return state.ring
 
 
 def _connect(group: dist.ProcessGroup, capacity: int) -> shared_ring.Ring | None:
@@ -286,7 +311,6 @@ def _issue(ops: list[tuple], group: dist.ProcessGroup) -> list[Any]:
 
 
 def _next_tag(group: dist.ProcessGroup) -> int:
-    key = group.group_name
-    tag = _sequence.get(key, 0)
-    _sequence[key] = (tag + 1) % _TAGS
+    state = _state(group)
+    tag, state.sequence = state.sequence, (state.sequence + 1) % _TAGS
     return tag

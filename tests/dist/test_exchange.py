@@ -11,13 +11,17 @@
 - the rings (fsdp_lite/shared_ring.py): set up at a group's first exchange, nothing left
   in /dev/shm; results bit for bit those of TCP messages; a ring too small for what is
   in flight waits for room, a payload over half of it goes over TCP; one rank without a
-  ring means no ring for anyone in that group.
+  ring means no ring for anyone in that group; a group destroyed and made again under
+  the same name starts afresh, and an exchange stranded on the old one gives up.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -67,24 +71,24 @@ def _refused_before_sending(rank: int, world: int) -> None:
 
 def _ring_set_up(rank: int, world: int) -> None:
     name = dist.group.WORLD.group_name
-    assert exchange._rings[name] is not None, "ranks on one host exchange through rings"
+    assert exchange._groups[name].ring is not None, "ranks on one host exchange through rings"
     mine = f"fsdp_lite-{os.getpid()}-"
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(mine)], "unlinked"
 
 
 def _ring_same_as_tcp(rank: int, world: int) -> None:
     group = dist.group.WORLD
-    ring = exchange._rings[group.group_name]
+    ring = exchange._groups[group.group_name].ring
     for dtype in (torch.float32, torch.bfloat16):
         full, shard = _tensors(rank, world, dtype)
         got = {}
         for how in ("ring", "tcp"):
-            exchange._rings[group.group_name] = ring if how == "ring" else None
+            exchange._groups[group.group_name].ring = ring if how == "ring" else None
             rs, ag = torch.empty(1000, dtype=dtype), torch.empty(world * 1000, dtype=dtype)
             exchange.reduce_scatter(rs, full, group).wait()
             exchange.all_gather(ag, shard, group).wait()
             got[how] = rs, ag
-        exchange._rings[group.group_name] = ring
+        exchange._groups[group.group_name].ring = ring
         assert all(torch.equal(a, b) for a, b in zip(got["ring"], got["tcp"], strict=True)), dtype
 
 
@@ -102,7 +106,7 @@ def _small_ring(rank: int, world: int) -> None:
         sums = [torch.empty(500) for _ in fulls]
         works = [exchange.all_gather(o, t, group) for o, t in zip(outs, inputs, strict=True)]
         works += [exchange.reduce_scatter(o, f, group) for o, f in zip(sums, fulls, strict=True)]
-        assert exchange._rings[group.group_name].capacity == 8192
+        assert exchange._groups[group.group_name].ring.capacity == 8192
         for work in works:
             work.wait()
         for out, t in zip(outs, inputs, strict=True):
@@ -125,7 +129,7 @@ def _no_ring_unless_everyone(rank: int, world: int) -> None:
         full, shard = _tensors(rank, world, torch.float32)
         ag = torch.empty(world * 1000)
         exchange.all_gather(ag, shard, group).wait()
-        assert exchange._rings[group.group_name] is None
+        assert exchange._groups[group.group_name].ring is None
         want = torch.empty_like(ag)
         dist.all_gather_into_tensor(want, shard, group=group)
         assert torch.equal(ag, want)
@@ -141,12 +145,12 @@ def _cases(rank: int, world: int) -> dict:
     _small_ring(rank, world)
     _no_ring_unless_everyone(rank, world)
     name = dist.group.WORLD.group_name
-    ring, exchange._rings[name] = exchange._rings[name], None  # TCP messages
+    ring, exchange._groups[name].ring = exchange._groups[name].ring, None  # TCP messages
     try:
         tcp = gpt_run("TCP exchanges", world)
         compare_training(tcp)
     finally:
-        exchange._rings[name] = ring
+        exchange._groups[name].ring = ring
     saved = exchange.MAX_RANKS
     exchange.MAX_RANKS = 1  # the process group's own collectives
     try:
@@ -156,7 +160,40 @@ def _cases(rank: int, world: int) -> dict:
         compare_training(run_bf16)
     finally:
         exchange.MAX_RANKS = saved
+    _group_made_again(rank, world)  # last: it replaces the default group
     return {run.name: run.results, run_bf16.name: run_bf16.results, tcp.name: tcp.results}
+
+
+def _group_made_again(rank: int, world: int) -> None:
+    """The default group destroyed and made again (same name, "0") after rank 0 issued a
+    gather no peer joined: the new group starts afresh on every rank (no stale counts
+    pairing different exchanges), and rank 0's stranded gather gives up instead of holding
+    up the exchanges queued behind it."""
+    where = [tempfile.mkdtemp(prefix="fsdp_lite_reinit_") if rank == 0 else None]
+    if rank == 0:
+        atexit.register(shutil.rmtree, where[0], True)  # once the new group is gone too
+    dist.broadcast_object_list(where, src=0)
+    old = dist.group.WORLD
+    stranded = None
+    if rank == 0:
+        stranded = exchange.all_gather(torch.empty(world * 10), torch.ones(10), old)
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{where[0]}/again", rank=rank, world_size=world
+    )
+    group = dist.group.WORLD
+    assert group.group_name == old.group_name and group is not old
+    _, shard = _tensors(rank, world, torch.float32)
+    got, want = torch.empty(world * 1000), torch.empty(world * 1000)
+    exchange.all_gather(got, shard, group).wait()
+    dist.all_gather_into_tensor(want, shard, group=group)
+    assert torch.equal(got, want)
+    assert exchange._groups[group.group_name].ring is not None
+    if stranded is not None:
+        with pytest.raises(RuntimeError, match="an earlier exchange failed") as err:
+            stranded.wait()
+        assert "was destroyed" in str(err.value.__cause__)
 
 
 def test_exchange_matches_process_group_collectives() -> None:
