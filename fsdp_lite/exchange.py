@@ -83,7 +83,8 @@ def applies(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
 
 
 class Exchange:
-    """The messages of one exchange in flight; ``wait`` behaves as a ``Work``'s."""
+    """One exchange in flight (its messages, or its ring's parts); ``wait`` behaves as a
+    ``Work``'s."""
 
     def __init__(
         self,
@@ -109,7 +110,8 @@ class Exchange:
         return True
 
     def complete(self) -> None:
-        """On the waiting thread: every message, then the sum."""
+        """On the waiting thread: every message, then ``finish`` (the sum of the received
+        chunks, or taking the parts from the peers' rings)."""
         try:
             for work in self._works:
                 work.wait()
@@ -159,11 +161,11 @@ def reduce_scatter(
     chunks = full.view(size, -1)
     peers = [p for p in range(size) if p != me]
     ring = _ring(group)
-    if ring is not None and ring.fits(len(peers) * chunks[0].nbytes):
+    if ring is not None and ring.fits(chunks[0].nbytes, len(peers)):
         output.copy_(chunks[me])  # ``full`` is not needed past this call
         staged = [chunks[p] for p in peers]
         add = lambda i, src: output.add_(src)  # noqa: E731
-        return _through_ring(ring, group, peers, staged, add, output, stalled)
+        return _through_ring(ring, "reduce_scatter", peers, staged, add, output, stalled)
     received = torch.empty((size - 1, chunks.shape[1]), dtype=full.dtype, device=full.device)
     ops = []
     for i, peer in enumerate(peers):
@@ -191,10 +193,10 @@ def all_gather(
     chunks[me].copy_(shard)
     peers = [p for p in range(size) if p != me]
     ring = _ring(group)
-    if ring is not None and ring.fits(shard.nbytes):
+    if ring is not None and ring.fits(shard.nbytes, 1):
         # One copy in the ring, read by every peer.
         take = lambda i, src: chunks[peers[i]].copy_(src)  # noqa: E731
-        return _through_ring(ring, group, peers, [shard], take, output, stalled)
+        return _through_ring(ring, "all_gather", peers, [shard], take, output, stalled)
     ops = []
     for peer in peers:
         ops += [(dist.isend, shard, peer), (dist.irecv, chunks[peer], peer)]
@@ -203,29 +205,31 @@ def all_gather(
 
 def _through_ring(
     ring: shared_ring.Ring,
-    group: dist.ProcessGroup,
+    kind: str,
     peers: list[int],
     staged: list[torch.Tensor],
     take: Callable[[int, torch.Tensor], Any],
     output: torch.Tensor,
     stalled: Callable[[], None] | None,
 ) -> Exchange:
-    """An exchange through ``ring`` with ``peers`` (group ranks, ascending): ``staged``
-    (one tensor for every peer, or one per peer in that order) copied in and announced;
-    ``take(i, part)`` with the i-th peer's part for this rank, read from that peer's ring
-    once announced there.
+    """An exchange of ``kind`` through ``ring`` with ``peers`` (group ranks, ascending):
+    ``staged`` (one tensor for every peer, or one per peer in that order) copied in and
+    announced; ``take(i, part)`` with the i-th peer's part for this rank, read from that
+    peer's ring once announced there.
 
     No message: every rank stages exactly one region per exchange through the ring, so
     this exchange is region ``number`` in every rank's ring, and peer p's part for this
-    rank is the one at this rank's place among p's peers. Taking it is reported to p as
-    ``number`` (``Ring.taken``); p writes there again once every peer has reported.
+    rank is its only one, or the one at this rank's place among p's peers. Taking it is
+    reported to p as ``number`` (``Ring.taken``); p writes there again once every peer
+    has reported.
     """
-    number = ring.stage(staged, stalled)
-    numel, dtype, me = staged[0].numel(), staged[0].dtype, group.rank()
+    number = ring.stage(kind, staged, stalled)
+    numel, dtype, parts, me = staged[0].numel(), staged[0].dtype, len(staged), ring.me
 
     def finish() -> None:
         for i, peer in enumerate(peers):
-            take(i, ring.part(peer, number, me - (me > peer), numel, dtype))
+            index = 0 if parts == 1 else me - (me > peer)
+            take(i, ring.part(peer, number, kind, parts, index, numel, dtype))
             ring.taken(peer, number)
 
     # A failed exchange: peers may never take their parts, so no room may ever come.
@@ -264,24 +268,24 @@ def _connect(group: dist.ProcessGroup, capacity: int) -> shared_ring.Ring | None
     ranks agree whether all of them mapped every peer's."""
     me, name = group.rank(), shared_ring.new_name()
     mine = shared_ring.create(name, capacity)
-    peers = None
+    opened = None
     try:
         rows = torch.zeros((group.size(), shared_ring.NAME_BYTES + 1), dtype=torch.int64)
         rows[me] = shared_ring.encode(name if mine is not None else "", capacity)
         dist.all_reduce(rows, group=group)
         names = [shared_ring.decode(row, capacity) for row in rows]
-        peers = shared_ring.open_peers(names, capacity, me)
-        agreed = torch.tensor([int(mine is not None and peers is not None)], dtype=torch.int64)
+        opened = shared_ring.open_peers(names, capacity, me)
+        agreed = torch.tensor([int(mine is not None and opened is not None)], dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
     finally:
         if mine is not None:
             shared_ring.unlink(name)
     if not agreed.item():
-        shared_ring.close(mine, peers)
+        shared_ring.close(mine, opened[0] if opened is not None else None)
         return None
-    assert mine is not None and peers is not None
-    pids = {rank: shared_ring.pid_of(names[rank]) for rank in peers}
-    return shared_ring.Ring(mine, peers, me, pids, group_timeout(group))
+    assert mine is not None and opened is not None
+    peers, processes = opened
+    return shared_ring.Ring(mine, peers, me, processes, group_timeout(group))
 
 
 def group_timeout(group: dist.ProcessGroup) -> float:

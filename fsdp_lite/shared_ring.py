@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import mmap
 import os
 import platform
@@ -63,12 +64,14 @@ def _ring_bytes(default: int = 16 << 20) -> int:
 RING_BYTES = _ring_bytes()
 ALIGN = 64  # every region starts here: any dtype's view of it is aligned
 # The ring's header (see Ring): at _TAKEN one int64 per group rank; at _PUBLISHED the
-# newest region's number (its low 32 bits are the futex word); at _TABLE, where each of
-# the last TABLE_ENTRIES regions is: (number, bytes per part, parts, offset of each part).
+# newest region's number (its low 32 bits are the futex word); at _TABLE, what and where
+# each of the last TABLE_ENTRIES regions is: (number, kind, bytes per part, parts, offset
+# of each part), kind an index into KINDS plus 1.
 HEADER = 16384
 _TAKEN, _PUBLISHED, _TABLE, _ENTRY = 0, 512, 1024, 128
 TABLE_ENTRIES = 64  # regions in flight at most: a rank this far ahead waits for room
-MAX_PARTS = _ENTRY // 8 - 3
+MAX_PARTS = _ENTRY // 8 - 4
+KINDS = ("all_gather", "reduce_scatter")
 WAIT_SECONDS = 1.0  # how often a waiting rank calls ``stalled`` and looks for its peers
 POLL_SECONDS = 1e-4  # how often a rank waiting for room looks again
 NAME_BYTES = 64  # a ring file name's room in ``encode``
@@ -88,9 +91,9 @@ class Ring:
     number. On x86 a store is not seen before the stores that precede it, nor a load
     done after the loads that follow it.
 
-    ``pids``: each peer's process, looked for while waiting on it (a peer that is gone
-    raises, as a closed connection would); ``timeout``: seconds a rank waits for a peer
-    before raising (the process group's).
+    ``processes``: each peer's process as (pid, start time), looked for while waiting on
+    it (a peer that is gone raises, as a closed connection would); ``timeout``: seconds a
+    rank waits for a peer before raising (the process group's).
     """
 
     def __init__(
@@ -98,7 +101,7 @@ class Ring:
         mine: mmap.mmap,
         peers: dict[int, mmap.mmap],
         me: int,
-        pids: dict[int, int] | None = None,
+        processes: dict[int, tuple[int, int]] | None = None,
         timeout: float = float("inf"),
     ) -> None:
         self.capacity = len(mine) - HEADER
@@ -107,7 +110,7 @@ class Ring:
         self._peer_maps = peers  # mapped for the process's lifetime
         self._mine = torch.frombuffer(mine, dtype=torch.uint8)
         self._peers = {r: torch.frombuffer(m, dtype=torch.uint8) for r, m in peers.items()}
-        self._pids = pids or {}
+        self._processes = processes or {}
         self._timeout = timeout
         # (start, end, number) of the regions peers may still read, oldest first.
         self._regions: collections.deque[tuple[int, int, int]] = collections.deque()
@@ -120,13 +123,16 @@ class Ring:
         count tensors by storage (torch's MemTracker): it exists from setup on."""
         return [self._mine, *self._peers.values()]
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether a payload of ``nbytes`` goes through the ring (the same on every rank)."""
-        return carries(nbytes, self.capacity)
+    def fits(self, part_nbytes: int, parts: int) -> bool:
+        """Whether ``parts`` parts of ``part_nbytes`` each go through the ring (the same on
+        every rank)."""
+        return carries(parts * _aligned(part_nbytes), self.capacity)
 
-    def stage(self, tensors: list[torch.Tensor], stalled: Callable[[], None] | None = None) -> int:
-        """Copy ``tensors`` (equal sizes) into one new region and announce it; return its
-        number.
+    def stage(
+        self, kind: str, tensors: list[torch.Tensor], stalled: Callable[[], None] | None = None
+    ) -> int:
+        """Copy ``tensors`` (equal sizes) into one new region and announce it as an exchange
+        of ``kind`` (one of ``KINDS``); return its number.
 
         Waits for room while earlier regions are still read by peers, calling ``stalled``
         every ``WAIT_SECONDS`` of waiting (collectives.py answers divergence checks there).
@@ -141,29 +147,32 @@ class Ring:
         offsets = [start + sum(sizes[:i]) for i in range(len(tensors))]
         for t, at in zip(tensors, offsets, strict=True):
             self._mine[at : at + t.nbytes].view(t.dtype).copy_(t.reshape(-1))
-        entry = (number, tensors[0].nbytes, len(offsets), *offsets)
+        entry = (number, KINDS.index(kind) + 1, tensors[0].nbytes, len(offsets), *offsets)
         struct.pack_into(f"<{len(entry)}q", self._mine_map, _entry_at(number), *entry)
         struct.pack_into("<q", self._mine_map, _PUBLISHED, number)  # after the bytes
         _futex_wake(self._mine.data_ptr() + _PUBLISHED)
         return number
 
     def part(
-        self, peer: int, number: int, index: int, numel: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Group rank ``peer``'s ``index``-th part of its region ``number`` (its only part,
-        if it staged one for every peer), once announced, as ``numel`` elements of
-        ``dtype``. Raises if the peer staged something else there: the ranks issued
-        different exchanges."""
+        self, peer: int, number: int, kind: str, parts: int, index: int, numel: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # fmt: skip
+        """Group rank ``peer``'s ``index``-th of the ``parts`` parts of its region ``number``,
+        an exchange of ``kind``, once announced, as ``numel`` elements of ``dtype``. Raises
+        if the peer staged another kind, count or size there: the ranks issued different
+        collectives."""
         self._await(peer, number)
-        entry = struct.unpack_from(f"<{MAX_PARTS + 3}q", self._peer_maps[peer], _entry_at(number))
-        got, nbytes, parts = entry[:3]
-        if got != number or nbytes != numel * dtype.itemsize:
+        shared = self._peer_maps[peer]
+        got, theirs, nbytes, count = struct.unpack_from("<4q", shared, _entry_at(number))
+        mine = (KINDS.index(kind) + 1, numel * dtype.itemsize, parts)
+        if got != number or (theirs, nbytes, count) != mine:
             raise RuntimeError(
-                f"fsdp_lite: group rank {peer} staged {nbytes} bytes for its exchange #{number} "
-                f"where this rank exchanges {numel * dtype.itemsize}: the ranks issued different "
-                "collectives. Make every rank run the same units in the same order"
+                f"fsdp_lite: group rank {peer} staged {_described(theirs, count, nbytes)} as "
+                f"its exchange #{number}, where this rank is in {_described(*mine)}: the "
+                "ranks issued different collectives. Make every rank run the same units in "
+                "the same order"
             )
-        offset = entry[3 + min(index, parts - 1)]
+        (offset,) = struct.unpack_from("<q", shared, _entry_at(number) + 8 * (4 + index))
         return self._peers[peer][offset : offset + nbytes].view(dtype)
 
     def taken(self, peer: int, number: int) -> None:
@@ -205,16 +214,18 @@ class Ring:
 
     def _raise_if_broken(self) -> None:
         if self.broken is not None:
-            raise RuntimeError("fsdp_lite: an earlier exchange failed") from self.broken
+            raise RuntimeError(
+                f"fsdp_lite: an earlier exchange failed: {self.broken}"
+            ) from self.broken
 
     def _look_for(self, peer: int, number: int, since: float) -> None:
         """Waiting on ``peer`` for region ``number`` since ``since``: raise if its process
         is gone or past the timeout."""
-        pid = self._pids.get(peer)
-        if pid is not None and not _alive(pid):
+        process = self._processes.get(peer)
+        if process is not None and _started(process[0]) != process[1]:
             raise RuntimeError(
-                f"fsdp_lite: group rank {peer} (process {pid}) is gone: connection closed by "
-                f"peer while this rank waited for its region #{number}"
+                f"fsdp_lite: group rank {peer} (process {process[0]}) is gone: connection "
+                f"closed by peer while this rank waited for its region #{number}"
             )
         if time.monotonic() - since > self._timeout:
             raise RuntimeError(
@@ -254,13 +265,18 @@ def carries(nbytes: int, capacity: int) -> bool:
 
 
 def new_name() -> str:
-    """A ring file name no other process uses; it says which process made it."""
-    return f"fsdp_lite-{os.getpid()}-{secrets.token_hex(8)}"
+    """A ring file name no other process uses; it says which process made it, and in
+    which pid namespace."""
+    return f"fsdp_lite-{os.getpid()}-{_pid_namespace()}-{secrets.token_hex(8)}"
 
 
-def pid_of(name: str) -> int:
-    """The process that made the ring ``name`` (``new_name``)."""
-    return int(name.split("-")[1])
+def process_of(name: str) -> tuple[int, int] | None:
+    """The process that made the ring ``name`` (``new_name``) as (pid, start time), if
+    this process sees it under that pid: it runs, in this pid namespace."""
+    _, pid, namespace, _ = name.split("-")
+    if int(namespace) != _pid_namespace() or not (started := _started(int(pid))):
+        return None
+    return int(pid), started
 
 
 def create(name: str, capacity: int) -> mmap.mmap | None:
@@ -302,16 +318,22 @@ def decode(row: torch.Tensor, capacity: int) -> str:
     return bytes(raw).rstrip(b"\0").decode() if theirs == capacity else ""
 
 
-def open_peers(names: list[str], capacity: int, me: int) -> dict[int, mmap.mmap] | None:
-    """Map every peer's ring; ``None`` if any is missing (another host, or none made) or
-    its process is not one this process can see (``Ring`` looks for it while waiting)."""
+def open_peers(
+    names: list[str], capacity: int, me: int
+) -> tuple[dict[int, mmap.mmap], dict[int, tuple[int, int]]] | None:
+    """Map every peer's ring and find its process (``Ring`` looks for it while waiting);
+    ``None`` if any ring is missing (another host, or none made) or its process is not
+    one this process sees (``process_of``)."""
     peers: dict[int, mmap.mmap] = {}
+    processes: dict[int, tuple[int, int]] = {}
     for rank, name in enumerate(names):
         if rank == me:
             continue
         try:
-            if not name or not _alive(pid_of(name)):
+            process = process_of(name) if name else None
+            if process is None:
                 raise FileNotFoundError(name)
+            processes[rank] = process
             fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
             try:
                 peers[rank] = mmap.mmap(fd, HEADER + capacity)
@@ -320,7 +342,7 @@ def open_peers(names: list[str], capacity: int, me: int) -> dict[int, mmap.mmap]
         except OSError:
             close(None, peers)
             return None
-    return peers
+    return peers, processes
 
 
 def close(mine: mmap.mmap | None, peers: dict[int, mmap.mmap] | None) -> None:
@@ -338,14 +360,28 @@ def _entry_at(number: int) -> int:
     return _TABLE + _ENTRY * (number % TABLE_ENTRIES)
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+def _started(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot), or 0 if it does not run (a
+    zombie, exited but not yet reaped, does not). A pid reused by a later process gives
+    another start time."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
+            fields = f.read().rsplit(b")", 1)[1].split()  # from the state (field 3) on
+    except OSError:
+        return 0
+    return 0 if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _described(kind: int, parts: int, nbytes: int) -> str:
+    name = KINDS[kind - 1] if 0 < kind <= len(KINDS) else f"kind {kind}"
+    return f"an {name} of {parts} part(s) of {nbytes} bytes"
 
 
 # futex(2) on the published count, through libc's syscall(): x86-64 Linux only, where
@@ -381,8 +417,10 @@ def _futex_wait(address: int, seen: int, seconds: float) -> None:
         time.sleep(POLL_SECONDS)
         return
     timeout = _Timespec(int(seconds), int(seconds % 1 * 1e9))
-    _FUTEX(_SYS_FUTEX, address, _FUTEX_WAIT, ctypes.c_int(seen & 0xFFFFFFFF).value,
-           ctypes.addressof(timeout), None, 0)  # fmt: skip
+    failed = _FUTEX(_SYS_FUTEX, address, _FUTEX_WAIT, ctypes.c_int(seen & 0xFFFFFFFF).value,
+                    ctypes.addressof(timeout), None, 0) == -1  # fmt: skip
+    if failed and ctypes.get_errno() not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
+        time.sleep(POLL_SECONDS)  # futex refused (a sandbox): poll instead of spinning
 
 
 def _futex_wake(address: int) -> None:

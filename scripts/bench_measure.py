@@ -99,14 +99,14 @@ def _count_ring_stages(counts: dict) -> Callable | None:
         return None
     orig = Ring.stage
 
-    def stage(self: Ring, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+    def stage(self: Ring, kind: str, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         nbytes = sum(_nbytes(t) for t in tensors)
         readers = len(self._peers) if len(tensors) == 1 else 1
         c = counts["ring"]
         c["calls"] += 1
         c["bytes"] += nbytes
         c["wire_bytes"] += nbytes * readers
-        return orig(self, tensors, *args, **kwargs)
+        return orig(self, kind, tensors, *args, **kwargs)
 
     Ring.stage = stage
     return orig
