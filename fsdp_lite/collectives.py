@@ -195,8 +195,9 @@ def default_device(
     unambiguous -- the user set one (torch cannot say whether ``torch.cuda.set_device``
     was called, so a current device other than 0 counts as set), exactly one device is
     visible, or ``world_size`` is 1 (default: the default process group's, 1 without
-    one) -- else ``cuda:LOCAL_RANK`` (torchrun), else ``RuntimeError``: guessing
-    ``cuda:0`` would put every rank of a node on one GPU. CPU without CUDA.
+    one) -- else ``cuda:LOCAL_RANK`` (torchrun; made the current device), else
+    ``RuntimeError``: guessing ``cuda:0`` would put every rank of a node on one GPU. CPU
+    without CUDA.
     """
     if device is not None:
         device = (
@@ -213,7 +214,11 @@ def default_device(
     if current != 0 or visible == 1 or world_size == 1:
         return torch.device("cuda", current)
     if "LOCAL_RANK" in os.environ:
-        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        # Made current too: object collectives, barriers and comm_device use the current
+        # device, which would otherwise be GPU 0 on every rank of the node.
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
     raise RuntimeError(
         f"fsdp_lite cannot tell which GPU this rank should use: {visible} GPUs are visible, "
         f"the world size is {world_size}, the current CUDA device is 0 (torch's default, "

@@ -8,6 +8,15 @@ gathers into it, so views (and tensors saved for backward) stay valid. Collectiv
 write through ``full_data``, a second tensor on the same storage with its own version
 counter, so the in-place gather does not trip autograd's saved-tensor version check;
 ``full`` is the autograd leaf the module's parameter views are taken from.
+
+[Note: what a module's parameter attribute is between steps]
+While a unit's full buffer is allocated, each original parameter location holds a view of
+it. Whenever the buffer is freed (and before the first gather) each location holds a
+:class:`FreedParameter` instead: shape, dtype and device answer, and any computation
+raises an error naming ``summon_full_params``, never reads freed storage. A kept full
+buffer (the root's, ``reshard_after_forward=False``) remembers which shard values it was
+gathered from -- the shard's version counter and the count of optimizer steps taken
+(fused optimizers do not bump version counters) -- and is gathered again when either moved.
 """
 
 from __future__ import annotations
@@ -15,13 +24,15 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fsdp_lite import accounting, collectives
 from fsdp_lite.offload import DeviceHome
-from fsdp_lite.saved_views import freed_parameter
+from fsdp_lite.saved_views import freed_in_backward_message
 
 # Every shard nn.Parameter carries (ranks it is a slice of, replicas its grad is averaged
 # over too), so code that sees only parameters -- an optimizer's step hooks, the grad
@@ -32,6 +43,55 @@ _SHARD_ATTR = "_fsdp_lite_ranks"
 def shard_ranks(p: torch.Tensor) -> tuple[int, int] | None:
     """``(shard group size, replicas)`` if ``p`` is an fsdp_lite shard, else ``None``."""
     return p.__dict__.get(_SHARD_ATTR)
+
+
+class FreedParameter(torch.Tensor):
+    """What a parameter location holds while its unit's full buffer is freed (see Note):
+    shape, dtype and device answer; any computation raises ``message``."""
+
+    message = "{op}"  # the error, with ``{op}`` for the function that was called
+    real_device = torch.device("cpu")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__self__", None) is torch._C.TensorBase.device:
+            return args[0].real_device
+        if getattr(func, "__name__", "") == "__get__" or func is torch.Tensor.__repr__:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        freed = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, FreedParameter)]
+        message = freed[0].message if freed else cls.message
+        raise RuntimeError(message.format(op=getattr(func, "__name__", func)))
+
+
+def freed_parameter(
+    shape: torch.Size, dtype: torch.dtype, device: torch.device, message: str
+) -> FreedParameter:
+    t = torch.Tensor._make_subclass(FreedParameter, torch.empty(shape, dtype=dtype, device="meta"))
+    t.message, t.real_device = message, device
+    return t
+
+
+def _between_steps_message(name: str, unit: str) -> str:
+    return (
+        f"fsdp_lite: {{op}} on parameter '{name}' of unit {unit}, whose full value exists "
+        "on no rank here (between steps each rank keeps only its 1/W fp32 shard, which "
+        "model.parameters() yields; full parameters exist only inside the unit's forward and "
+        "backward). Read or change full parameters inside `with model.summon_full_params():` "
+        "or through model.state_dict() / load_state_dict(); set requires_grad before wrapping."
+    )
+
+
+# Optimizer steps taken in this process: a kept full buffer gathered before the latest one
+# may be stale (see Note). Counted by a global step post-hook, installed with the first
+# FlatParam.
+_optimizer_steps = 0
+_step_hook: Any = None
+
+
+def _count_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
 
 
 @dataclass
@@ -101,6 +161,16 @@ class FlatParam:
         # Accounting: the owning unit's name (set at lazy init) and identity.
         self.unit_name: str | None = None
         self.unit_key = 0
+        # (shard version, optimizer steps) when full_data was last gathered (see Note).
+        self._gathered_from: tuple[int, int] = (-1, -1)
+        # One FreedParameter per slot, at its locations whenever full_data is freed.
+        self.placeholders: list[FreedParameter] | None = None
+        self.freed_in_backward = False  # use_freed's placeholders are installed
+        # This iteration's views of ``full``, one per slot (use_full_views), for backward.
+        self.views: list[torch.Tensor] | None = None
+        global _step_hook
+        if _step_hook is None:
+            _step_hook = register_optimizer_step_post_hook(_count_step)
 
     # -- storage -----------------------------------------------------------------
 
@@ -131,12 +201,17 @@ class FlatParam:
         With ``async_op`` the gather is only issued (a prefetch); :meth:`wait_unshard`
         completes it. A no-op when the full buffer is already allocated or in flight.
         """
+        shard_state = (self.shard._version, _optimizer_steps)
         if self.is_unsharded:
-            if not async_op:
-                self.wait_unshard()
-            return
-        self._allocate_full()
-        accounting.full_allocated(id(self), self.unit_key, self.full_nbytes)
+            if self._gather is not None or self._gathered_from == shard_state:
+                if not async_op:
+                    self.wait_unshard()
+                return
+            # Kept from a forward, and the shard changed since: gather again in place.
+        else:
+            self._allocate_full()
+            accounting.full_allocated(id(self), self.unit_key, self.full_nbytes)
+        self._gathered_from = shard_state
         with torch.no_grad():
             send = self.home.shard_for_gather(self).to(self.compute_dtype)
             self._gather = collectives.all_gather_flat(
@@ -153,11 +228,13 @@ class FlatParam:
             self.home.after_gather(self)
 
     def reshard(self) -> None:
-        """Free the full buffer's storage (views stay valid objects, pointing at nothing)."""
+        """Free the full buffer's storage; the parameter locations get placeholders (the
+        views stay valid objects for autograd, pointing at nothing)."""
         if self.is_unsharded:
             self.wait_unshard()  # never free memory a collective is still writing
             self.full_data.untyped_storage().resize_(0)
             accounting.full_freed(id(self), self.unit_key)
+            self.use_placeholders()
 
     def gather_fp32(self, source: torch.Tensor | None = None) -> torch.Tensor:
         """A new unpadded full copy of ``source`` (default: the master shard) from every rank.
@@ -184,33 +261,55 @@ class FlatParam:
         New views every forward, never kept ones: the autograd engine runs ready nodes
         newest first, so a split node kept from an earlier step would run last, holding
         every unit's full gradient (and its reduce-scatter) until the end of backward.
-        An attribute this installed before is replaced in the module's ``__dict__``, as
-        ``nn.Module.__setattr__`` would for a plain tensor, without its checks.
         """
         sizes = [slot.numel for slot in self.slots] + [self.padded_numel - self.numel]
         pieces = torch.split(self.full, sizes)
-        for slot, piece in zip(self.slots, pieces, strict=False):
-            view = piece.view(slot.shape)
+        self.views = [
+            piece.view(slot.shape) for slot, piece in zip(self.slots, pieces, strict=False)
+        ]
+        self._install(self.views)
+
+    def use_views_again(self) -> None:
+        """In backward: this iteration's views back at their locations, for a recompute
+        that reads the module's attributes without passing through the unit's hooks (a
+        checkpointed module inside the unit)."""
+        if self.views is not None:
+            self._install(self.views)
+
+    def _install(self, tensors: list[torch.Tensor]) -> None:
+        """``tensors[i]`` at every location of slot i. An attribute this installed before is
+        replaced in the module's ``__dict__``, as ``nn.Module.__setattr__`` would for a
+        plain tensor, without its checks."""
+        for slot, tensor in zip(self.slots, tensors, strict=True):
             for module, attr in slot.locations:
                 attrs = module.__dict__
                 if attr in attrs:
-                    attrs[attr] = view
+                    attrs[attr] = tensor
                 else:  # the first install, or after a summon put a Parameter there
-                    setattr(module, attr, view)
+                    setattr(module, attr, tensor)
 
     def use_placeholders(self) -> None:
-        """Until the first gather: storage-less meta tensors of the right shape and dtype
-        at every original location (so shapes can be inspected, and nothing is allocated)."""
-        for slot in self.slots:
-            placeholder = torch.empty(slot.shape, dtype=self.compute_dtype, device="meta")
-            for module, attr in slot.locations:
-                setattr(module, attr, placeholder)
+        """A :class:`FreedParameter` at every original location (see Note); made once."""
+        if self.placeholders is None:
+            unit = self.unit_name or "<not yet run>"
+            self.placeholders = [
+                freed_parameter(
+                    slot.shape,
+                    self.compute_dtype,
+                    self.device,
+                    _between_steps_message(slot.name, unit),
+                )
+                for slot in self.slots
+            ]
+        self.freed_in_backward = False
+        self._install(self.placeholders)
 
     def use_freed(self) -> None:
-        """After a free inside backward (saved_views.py): a ``FreedParameter`` at every
-        original location, so a later read raises instead of reading freed memory."""
+        """After a free inside backward (saved_views.py): placeholders whose error says so."""
+        self.freed_in_backward = True
+        message = freed_in_backward_message(self.unit_name or "?")
         for slot in self.slots:
-            freed = freed_parameter(slot.shape, self.compute_dtype, self.unit_name or "?")
+            freed = freed_parameter(slot.shape, self.compute_dtype, self.device, message)
             for module, attr in slot.locations:
                 module.__dict__[attr] = freed
 
@@ -233,6 +332,13 @@ class FlatParam:
             acc, self.unsharded_grad = self.unsharded_grad, None
             grad = acc if grad is None else acc.add_(grad)
         return grad
+
+    def has_leftover_grad(self, sync: bool) -> bool:
+        """At the end of backward: a gradient left in ``full.grad`` (or, when ``sync``,
+        kept unreduced under no_sync) that this backward's post-backward did not take."""
+        if self.full is not None and self.full.grad is not None:
+            return True
+        return sync and self.unsharded_grad is not None
 
     def accumulate_unsharded(self) -> None:
         """no_sync: fold this backward's full gradient into an fp32 accumulator."""

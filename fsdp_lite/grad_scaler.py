@@ -33,7 +33,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     Use it exactly like ``GradScaler``::
 
-        scaler = fsdp_lite.ShardedGradScaler("cuda")   # "cpu" on gloo/CPU
+        scaler = fsdp_lite.ShardedGradScaler()   # on the ranks' device, as FSDPModule
         scaler.scale(loss).backward()
         scaler.unscale_(opt)                # optional, e.g. before model.clip_grad_norm_
         scaler.step(opt)                    # skipped on every rank if any rank overflowed
@@ -44,7 +44,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
     call it for the same optimizers in the same order, as it calls backward.
 
     Args:
-        device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as for
+        device: ``"cuda"`` or ``"cpu"``; default: the type of the device ``FSDPModule``
+            picks by default (CUDA where available, else CPU).
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as for
             ``torch.amp.GradScaler``.
         process_group: the ranks that must agree (default: the world group). Use the group
             your units shard over (the world group under hybrid sharding).
@@ -52,7 +54,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     def __init__(
         self,
-        device: str = "cuda",
+        device: str | None = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -60,6 +62,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         enabled: bool = True,
         process_group: collectives.ProcessGroup | None = None,
     ) -> None:
+        if device is None:  # torch's GradScaler says "cuda", and is disabled without it
+            device = collectives.default_device(None).type
         super().__init__(
             device,
             init_scale=init_scale,

@@ -95,6 +95,9 @@ def reset(ctx: RootContext) -> None:
     ctx.pending.clear()
     for unit in ctx.units:
         unit.end_backward()
+        for flat in unit.flat_params:
+            if flat.full is not None:
+                flat.full.grad = None
     ctx.prefetched.clear()
     ctx.counting.clear()
     ctx.arrived.clear()
@@ -165,6 +168,42 @@ def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(cast, tree)
 
 
+def reduce_leftovers(ctx: RootContext) -> None:
+    """Gradients no post-backward of this backward took: one a unit's parameters got
+    outside its backward (``Unit.post_backward`` in IDLE), and one kept under ``no_sync``
+    by a unit this synchronizing backward did not reach. Reduced now, in unit order (the
+    same on every rank), so they reach this step; kept unreduced under ``no_sync``."""
+    for unit in ctx.units:
+        for flat in unit.flat_params:
+            if not flat.has_leftover_grad(unit.sync_grads):
+                continue
+            if not unit.sync_grads:
+                flat.accumulate_unsharded()
+                continue
+            wait_previous_reduce_scatter(ctx)
+            pending = flat.reduce_scatter_grad(unit.reduce_dtype(flat))
+            if pending is not None:
+                ctx.pending.append(pending)
+
+
+def check_no_unreduced_grads(ctx: RootContext) -> None:
+    """At the root's forward: a gradient kept by ``Unit.post_backward`` in IDLE that no
+    backward reduced would silently miss the step it belongs to."""
+    for unit in ctx.units:
+        for flat in unit.flat_params:
+            if flat.full is not None and flat.full.grad is not None:
+                flat.full.grad = None
+                raise RuntimeError(
+                    f"fsdp_lite: unit '{unit.name}' got a gradient in a backward that did not "
+                    "pass through its outputs (one of its modules called outside its forward, "
+                    "e.g. a loss through the root's head), and no backward through its outputs "
+                    "followed before this forward: the gradient was never averaged across "
+                    "ranks and did not reach the last step. Call backward through the output "
+                    "of the model's forward (h.backward(grad_h)) after such partial backwards; "
+                    "the gradient has been dropped"
+                )
+
+
 def wait_previous_reduce_scatter(ctx: RootContext) -> None:
     """Before a unit issues its reduce-scatter: wait for the one before it, so at most one
     is in flight. Until waited for, each holds memory the size of its full gradient
@@ -183,6 +222,7 @@ def finish_backward(ctx: RootContext) -> None:
     """
     with accounting.region("fsdp_lite::finish_backward"):
         reduce_arrived(ctx)
+        reduce_leftovers(ctx)
         for pending in ctx.pending:
             pending.finish()
         ctx.pending.clear()

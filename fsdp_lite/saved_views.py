@@ -145,32 +145,14 @@ def _hooks_around(
     return pack, unpack
 
 
-class FreedParameter(torch.Tensor):
-    """Where a parameter was, once its unit's full buffers were freed inside backward:
-    shape, dtype and device answer; any computation raises an error that says why."""
-
-    unit = "?"
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__name__", "") == "__get__" or func is torch.Tensor.__repr__:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        freed = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, FreedParameter)]
-        unit = freed[0].unit if freed else cls.unit
-        raise RuntimeError(
-            f"fsdp_lite: {getattr(func, '__name__', func)} read a parameter of {unit} after "
-            "its full parameters were freed in backward, once autograd had released every "
-            "tensor it saved from them (see fsdp_lite/saved_views.py). Something read them "
-            "again in this backward without saving them: torch.utils.checkpoint around "
-            f"modules of {unit} outside its nested units, or a custom autograd.Function "
-            "keeping a parameter outside ctx.save_for_backward. Pass "
-            f"reshard_after_forward=False to the FSDPModule of {unit} to keep them until its "
-            "post-backward."
-        )
-
-
-def freed_parameter(shape: torch.Size, dtype: torch.dtype, unit: str) -> FreedParameter:
-    t = torch.Tensor._make_subclass(FreedParameter, torch.empty(shape, dtype=dtype, device="meta"))
-    t.unit = unit
-    return t
+def freed_in_backward_message(unit: str) -> str:
+    """What a read of a parameter freed by ``runtime.free_unread`` says (``{op}``: the op)."""
+    return (
+        f"fsdp_lite: {{op}} read a parameter of {unit} after its full parameters were freed "
+        "in backward, once autograd had released every tensor it saved from them (see "
+        "fsdp_lite/saved_views.py). Something read them again in this backward without "
+        f"saving them: torch.utils.checkpoint around modules of {unit} outside its nested "
+        "units, or a custom autograd.Function keeping a parameter outside "
+        f"ctx.save_for_backward. Pass reshard_after_forward=False to the FSDPModule of {unit} "
+        "to keep them until its post-backward."
+    )

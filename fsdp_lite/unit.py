@@ -133,8 +133,11 @@ class Unit:
                 return (args, kwargs)
             if self.is_root:
                 runtime.recover_if_interrupted(self.ctx)
+                runtime.check_no_unreduced_grads(self.ctx)
                 self._check_enclosing_modules()
             check_state(self.name, self.state, TrainingState.IDLE, doing="run forward")
+            if torch.is_grad_enabled():
+                self._check_requires_grad()
             self.state = TrainingState.FORWARD
             if self.is_root:
                 collectives.GUARD.start_iteration(self.name, self.process_group, self.device)
@@ -183,6 +186,23 @@ class Unit:
         self.state = TrainingState.IDLE
         if self.is_root:
             runtime.end_of_root_forward(self.ctx)
+
+    def _check_requires_grad(self) -> None:
+        """Refuse a shard whose ``requires_grad`` changed after wrapping: its flat param
+        would keep training (frozen and trainable parameters are flattened apart, at wrap
+        time)."""
+        for flat in self.flat_params:
+            if flat.shard.requires_grad != flat.requires_grad:
+                names = ", ".join(slot.name for slot in flat.slots[:3])
+                more = f" and {len(flat.slots) - 3} more" if len(flat.slots) > 3 else ""
+                raise RuntimeError(
+                    f"fsdp_lite: requires_grad of a shard of unit '{self.name}' ({names}{more}) "
+                    f"changed after wrapping, to {flat.shard.requires_grad}: fsdp_lite "
+                    "flattens frozen and trainable parameters apart when it wraps, so it cannot "
+                    "follow the change. Set requires_grad on the original parameters before "
+                    "wrapping (wrap again to change it), or put it back to "
+                    f"{flat.requires_grad}"
+                )
 
     def _check_enclosing_modules(self) -> None:
         """Once, at the first root forward that builds a graph on several ranks: refuse a
@@ -255,6 +275,7 @@ class Unit:
             unit.name = path or f"<root {type(unit.module).__name__}>"
             for flat in unit.flat_params:
                 flat.unit_name, flat.unit_key = unit.name, id(unit)
+                flat.placeholders = None  # placeholders made from now on name the unit
         for unit in units:
             full = sum(f.full_nbytes for f in unit.flat_params)
             unit.outweighs_masters = not unit.is_root and full > master
@@ -334,9 +355,18 @@ class Unit:
             self.state = TrainingState.PRE_BACKWARD
             self.grads_pending = {id(f) for f in self.flat_params if f.requires_grad}
             self.unshard_with_prefetch(backward=True)
+            for flat in self.flat_params:
+                flat.use_views_again()
 
     def post_backward(self, flat: FlatParam) -> None:
-        """After ``flat``'s gradient is complete: reduce-scatter it (or keep it under no_sync)."""
+        """After ``flat``'s gradient is complete: reduce-scatter it (or keep it under no_sync).
+
+        In IDLE, the gradient reached the parameters in a backward that did not pass through
+        this unit's outputs (a chunked loss through the root's head, called outside the
+        root's forward): it stays in the full buffer's ``.grad`` and is reduced with the
+        next backward that does (``runtime.reduce_leftovers``), as FSDP2 does."""
+        if self.state is TrainingState.IDLE:
+            return
         check_state(
             self.name,
             self.state,
@@ -408,6 +438,10 @@ class Unit:
     def end_backward(self) -> None:
         """Resharded and IDLE, whatever this backward reached."""
         self.reshard()
+        for flat in self.flat_params:
+            flat.views = None  # they belong to this iteration's graph
+            if flat.freed_in_backward:  # the between-steps placeholders from now on
+                flat.use_placeholders()
         self.state = TrainingState.IDLE
 
 

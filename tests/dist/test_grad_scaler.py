@@ -61,6 +61,14 @@ def _scaler(cls: type[torch.amp.GradScaler]) -> torch.amp.GradScaler:
     return cls("cpu", init_scale=2.0**10, growth_interval=3)  # grows at clean steps 2 and 9
 
 
+def _scaler_on_default_device(device: str, **kwargs) -> torch.amp.GradScaler:
+    """``ShardedGradScaler()`` with no device: the ranks' (CPU here), never a disabled
+    scaler on an absent "cuda" (torch's default)."""
+    scaler = fsdp_lite.ShardedGradScaler(**kwargs)
+    assert scaler.is_enabled() and scaler._device == device, (scaler._device, device)
+    return scaler
+
+
 def _optimizer(params, fused: bool) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=1e-6, fused=fused)
 
@@ -173,8 +181,8 @@ def _compare(got: Trace, want: Trace, atol: float) -> None:
     assert not got.warnings, f"ShardedGradScaler warned: {got.warnings}"
 
 
-def _matches_reference(*, fused: bool, clip: bool) -> None:
-    got = _train_sharded(fsdp_lite.ShardedGradScaler, fused=fused, clip=clip)
+def _matches_reference(*, fused: bool, clip: bool, cls=fsdp_lite.ShardedGradScaler) -> None:
+    got = _train_sharded(cls, fused=fused, clip=clip)
     want = _train_reference(fused=fused, clip=clip)
     atol = 1e-5 if clip else 1e-6
     agree("sharded fp16 training vs reference", lambda: _compare(got, want, atol))
@@ -211,6 +219,12 @@ def _cases(rank: int, world: int) -> dict[str, str | None]:
             (
                 "ShardedGradScaler with fused AdamW matches the reference",
                 functools.partial(_matches_reference, fused=True, clip=False),
+            ),
+            (
+                "ShardedGradScaler() on the default device matches the reference",
+                functools.partial(
+                    _matches_reference, fused=False, clip=False, cls=_scaler_on_default_device
+                ),
             ),
             (
                 "stock GradScaler over 2-rank shards warns and its scales drift",

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_lite import FSDPModule
-from fsdp_lite.saved_views import FreedParameter
+from fsdp_lite.flat_param import FreedParameter
 from fsdp_lite.testing import GPT, GPTConfig, run_distributed
 from fsdp_lite.testing.reference import compare_training
 

@@ -73,9 +73,12 @@ def test_world_size_defaults_to_the_process_group(fake_cuda, world1) -> None:
     assert default_device(None) == torch.device("cuda", 0)
 
 
-def test_local_rank_when_the_current_device_is_ambiguous(fake_cuda) -> None:
+def test_local_rank_when_the_current_device_is_ambiguous(fake_cuda, monkeypatch) -> None:
     fake_cuda(current=0, visible=8, local_rank=3)
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
     assert default_device(None, world_size=16) == torch.device("cuda", 3)
+    assert made_current == [3]  # else every rank's object collectives would use GPU 0
 
 
 def test_no_set_device_and_no_local_rank_is_an_error(fake_cuda) -> None:
