@@ -117,8 +117,12 @@ def _resolve_cuda_waits(block: bool = True) -> None:
     _REC.cuda_waits[:] = pending
 
 
-def stats() -> dict[str, Any]:
+def stats(wait: bool = False) -> dict[str, Any]:
     """Everything recorded on this rank since the last :func:`reset_stats`.
+
+    No host synchronization: on CUDA, ``exposed_s`` counts the waits whose timing events
+    the device has reached; ``wait=True`` first waits for the device to reach all of them
+    (a host sync, for an exact figure at the end of a run).
 
     - ``collectives``: per op, calls, bytes (the full buffer each call spans; a ring
       sends (W-1)/W of it) and dtypes. World size 1 communicates nothing. Ops:
@@ -133,7 +137,7 @@ def stats() -> dict[str, Any]:
       allocated now / at the peak; ``unsharded_units_peak``: most units holding full
       parameters at once.
     """
-    _resolve_cuda_waits()
+    _resolve_cuda_waits(block=wait)
     units = {
         name: {
             **{op: s.as_dict() for op, s in ops.items()},
@@ -151,9 +155,10 @@ def stats() -> dict[str, Any]:
     }
 
 
-def reset_stats() -> None:
-    """Start a new accounting period (e.g. a step); live allocations carry over."""
-    _resolve_cuda_waits()
+def reset_stats(wait: bool = False) -> None:
+    """Start a new accounting period (e.g. a step); live allocations, and CUDA waits the
+    device has not reached yet (unless ``wait``, see :func:`stats`), carry over."""
+    _resolve_cuda_waits(block=wait)
     _REC.ops.clear()
     _REC.unit_ops.clear()
     _REC.unit_exposed_s.clear()

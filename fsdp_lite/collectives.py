@@ -395,8 +395,8 @@ def global_ranks(group: ProcessGroup) -> list[int]:
 #    an agreed deviation), every collective is compared across the group before it is
 #    issued: a small all-gather on the group itself, safe because every rank does it.
 #  * Otherwise each rank compares each entry with the same position of its own previous
-#    iteration of the same root: a tuple compare, no communication, no host sync. The
-#    steady-state step costs nothing else.
+#    iteration of the same root and kind (training, no_sync, no grad): a tuple compare, no
+#    communication, no host sync. The steady-state step costs nothing else.
 #  * A rank that deviates (or ends its iteration early) does not issue the collective:
 #    it posts its entry to the process group's store and waits for every peer's entry
 #    at the same (iteration, position). Peers that deviate the same way post theirs (data-

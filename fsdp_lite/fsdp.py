@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -198,23 +197,23 @@ class FSDPModule(nn.Module):
         """Scale shard grads so their total norm over all ranks is at most ``max_norm``.
 
         Returns the total norm before clipping (an fp32 scalar tensor, equal on every rank).
-        A non-finite norm (overflow, NaN) is reported with the units it comes from: raised
-        with ``error_if_nonfinite``, else warned about, leaving the grads unscaled so the
-        caller can skip the step: ``if torch.isfinite(norm): optimizer.step()``.
+        No host synchronization: a non-finite norm (overflow, NaN) leaves the grads
+        unscaled, and the caller can skip the step (``if torch.isfinite(norm):
+        optimizer.step()``, a sync of its own). ``error_if_nonfinite`` reads the norm on
+        the host (a sync) and raises naming the units with non-finite grads.
         """
         units = self._tree_units()
         for unit in units:
             check_state(unit.name, unit.state, TrainingState.IDLE, doing="clip_grad_norm_")
         grads = [f.shard.grad for u in units for f in u.flat_params if f.shard.grad is not None]
         total = total_norm(grads, float(norm_type), self.device, self.process_group)
-        if not torch.isfinite(total):
+        if error_if_nonfinite and not torch.isfinite(total):
             bad = nonfinite_units(units, self.device, self.process_group)
-            msg = f"fsdp_lite: the gradient norm is {total.item()}; non-finite grads in {bad}"
-            if error_if_nonfinite:
-                raise RuntimeError(msg)
-            warnings.warn(msg + "; gradients left unscaled, skip this step", stacklevel=2)
-            return total
+            raise RuntimeError(
+                f"fsdp_lite: the gradient norm is {total.item()}; non-finite grads in {bad}"
+            )
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
         for g in grads:
             g.mul_(coef.to(g.device, g.dtype))
         return total

@@ -132,12 +132,11 @@ def test_nonfinite_grad_norm_reported_with_unit(world1) -> None:
     )
     model(torch.tensor([[1.0, float("inf"), 0.0]])).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    with pytest.warns(UserWarning, match=r"non-finite grads in \['0'"):
-        norm = model.clip_grad_norm_(1.0)
+    norm = model.clip_grad_norm_(1.0)  # no host sync: no warning either
     assert not torch.isfinite(norm)
     for p, g in zip(model.parameters(), grads, strict=True):  # left unscaled
         assert torch.equal(p.grad.nan_to_num(), g.nan_to_num())
-    with pytest.raises(RuntimeError, match="gradient norm is"):
+    with pytest.raises(RuntimeError, match=r"gradient norm is .*non-finite grads in \['0'"):
         model.clip_grad_norm_(1.0, error_if_nonfinite=True)
 
 
