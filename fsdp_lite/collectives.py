@@ -88,15 +88,19 @@ class Handle:
         self.device = device
         self.group = group
         self.after = after
+        self.failed: Any = None  # a work whose wait raised, kept with its buffers
 
     @property
     def waited(self) -> bool:
         return self.work is None
 
     def wait(self) -> None:
-        work, self.work = self.work, None  # waited for at most once, even if it fails
+        work = self.work
         if work is None:
-            return
+            return  # waited for at most once, even if that wait failed
+        # Referenced until the wait returns: if it raises while the collective is still in
+        # flight, the buffers the work writes must not be freed under it.
+        self.failed, self.work = work, None
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)  # the one work.wait() holds
             start = torch.cuda.Event(enable_timing=True)
@@ -111,6 +115,7 @@ class Handle:
             with _peer_errors("waiting for a collective", self.unit):
                 _wait_watching_for_divergence(work, self.group)
             accounting.record_wait(self.unit, time.perf_counter() - t0)
+        self.failed = None
         if self.after is not None:
             self.after()
 
@@ -238,9 +243,10 @@ def comm_device(group: ProcessGroup, device: torch.device) -> torch.device:
     """Where a collective on ``group`` runs for a tensor on ``device``: that device if the
     group's backend takes it, else the backend's (NCCL takes CUDA tensors only: CPU-offloaded
     shards and CPU state are staged on the current CUDA device)."""
-    types = _DEVICE_TYPES.get(id(group))
+    key = group_key(group)
+    types = _DEVICE_TYPES.get(key)
     if types is None:
-        types = _DEVICE_TYPES[id(group)] = {d.type for d in getattr(group, "_device_types", [])}
+        types = _DEVICE_TYPES[key] = {d.type for d in getattr(group, "_device_types", [])}
     if not types or device.type in types:
         return device
     if "cuda" in types:
@@ -248,7 +254,13 @@ def comm_device(group: ProcessGroup, device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
-_DEVICE_TYPES: dict[int, set[str]] = {}
+_DEVICE_TYPES: dict[object, set[str]] = {}  # group_key -> device types its backend takes
+
+
+def group_key(group: ProcessGroup) -> object:
+    """What per-group caches are keyed by: the group's name, unique for the life of the
+    process (an ``id`` is reused once a destroyed group is collected)."""
+    return getattr(group, "group_name", None) or id(group)
 
 
 def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -431,17 +443,17 @@ class _Guard:
         self.lockstep = True  # compare every collective across the group before issuing it
         self._answered: set[tuple[int, int]] = set()
         self._my_last_key: str | None = None
-        self._peers: dict[int, bool] = {}  # id(group) -> has ranks to check against
+        self._peers: dict[object, bool] = {}  # group_key -> has ranks to check against
         self._busy = False  # the check's own collectives are not checked
 
     def watching(self, group: ProcessGroup) -> bool:
         return self.mode == "cheap" and self._has_peers(group)
 
     def _has_peers(self, group: ProcessGroup) -> bool:
-        peers = self._peers.get(id(group))
+        peers = self._peers.get(group_key(group))
         if peers is None:
             peers = world_size(group) > 1 and dist.get_backend(group) != "fake"
-            self._peers[id(group)] = peers
+            self._peers[group_key(group)] = peers
         return peers
 
     def before(self, op: str, unit: str | None, tensor: torch.Tensor, group: ProcessGroup) -> None:
