@@ -358,14 +358,14 @@ class FlatParam:
                 out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
                 return PendingGrad(self, self._reduce_widened(grad, out, pieces), out, ranks)
             grad = grad.to(reduce_dtype)  # the compute-dtype gradient is dropped here
-            # Low-precision sums could overflow: divide the full gradient first. In fp32,
-            # divide the 1/W-sized result instead (one full-size pass saved).
-            low_precision = reduce_dtype.itemsize < 4
-            if low_precision:
-                grad.div_(ranks)
+            # In fp32, divide only the 1/W-sized result (one full-size pass saved); in low
+            # precision, part before the sum and part after (see predivide_factor).
+            pre = predivide_factor(ranks, reduce_dtype)
+            if pre != 1:
+                grad.div_(pre)
             out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
             work = collectives.reduce_scatter_flat(out, grad, self.group, unit=self.unit_name)
-        return PendingGrad(self, [work], out, 1 if low_precision else ranks)
+        return PendingGrad(self, [work], out, ranks / pre)
 
     def reduce_scatter_slot(
         self, index: int, grad: torch.Tensor, reduce_dtype: torch.dtype
@@ -377,7 +377,7 @@ class FlatParam:
         slot, width, world = self.slots[index], self.shard_numel, self.world_size
         slot_end = slot.offset + slot.numel
         ranks = world * self.replicas
-        low_precision = reduce_dtype.itemsize < 4
+        pre = predivide_factor(ranks, reduce_dtype)
         source = grad.detach().reshape(-1)
         out = torch.zeros(width, dtype=reduce_dtype, device=grad.device)
         step = max(1, WIDEN_PIECE_BYTES // (world * reduce_dtype.itemsize))
@@ -402,14 +402,14 @@ class FlatParam:
                 for r, a, b in rows:
                     start = a - r * width - lo
                     piece[r, start : start + b - a].copy_(source[a - slot.offset : b - slot.offset])
-                if low_precision:
-                    piece.div_(ranks)
+                if pre != 1:
+                    piece.div_(pre)
                 works.append(
                     collectives.reduce_scatter_flat(
                         out[lo:hi], piece.view(-1), self.group, unit=self.unit_name
                     )
                 )
-        return PendingGrad(self, works, out, 1 if low_precision else ranks)
+        return PendingGrad(self, works, out, ranks / pre)
 
     def _reduce_widened(
         self, grad: torch.Tensor, out: torch.Tensor, pieces: int
@@ -446,6 +446,20 @@ def widening_pieces(numel: int, grad_dtype: torch.dtype, reduce_dtype: torch.dty
     if reduce_dtype.itemsize <= grad_dtype.itemsize:
         return 1
     return -(-numel * reduce_dtype.itemsize // WIDEN_PIECE_BYTES)
+
+
+def predivide_factor(ranks: int, reduce_dtype: torch.dtype) -> int:
+    """What a gradient averaged over ``ranks`` is divided by before the sum (the rest,
+    ``ranks / factor``, after). fp32: 1. Low precision: about sqrt(ranks) (a power of 2,
+    as PyTorch FSDP), so the sum of ``ranks`` gradients overflows no sooner than one
+    gradient times sqrt(ranks), and a small gradient divided by ``ranks`` before the sum
+    does not underflow."""
+    if reduce_dtype.itemsize >= 4:
+        return 1
+    factor = 1
+    while ranks % factor == 0 and ranks / factor > factor:
+        factor *= 2
+    return factor
 
 
 def _build_shard(
@@ -490,7 +504,7 @@ class PendingGrad:
     flat: FlatParam
     works: list[collectives.Handle]
     out: torch.Tensor  # (shard_numel,) in reduce dtype
-    divide_by: int  # what the result is still to be divided by (1: the input was)
+    divide_by: float  # what the result is still to be divided by (1: the input was)
 
     @property
     def waited(self) -> bool:
