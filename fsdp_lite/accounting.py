@@ -34,6 +34,7 @@ class _Recorder:
     )
     unit_exposed_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     exposed_s: float = 0.0
+    order_changes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     cuda_waits: list[tuple[str, Any, Any]] = field(default_factory=list)  # (unit, start, end)
     # Full-buffer allocations live across resets: owner key -> bytes now.
     allocated: dict[int, int] = field(default_factory=dict)
@@ -71,6 +72,11 @@ def record_cuda_wait(unit: str | None, start: Any, end: Any) -> None:
 
 
 _MAX_PENDING_EVENTS = 512
+
+
+def order_changed(direction: str) -> None:
+    """A pass strayed from the recorded unit order and set a new one (runtime.ExecOrder)."""
+    _REC.order_changes[direction] += 1
 
 
 def full_allocated(flat_key: int, unit_key: int, nbytes: int) -> None:
@@ -133,6 +139,10 @@ def stats(wait: bool = False) -> dict[str, Any]:
     - ``units``: the same per unit (by module path), plus ``exposed_s``.
     - ``exposed_s``: seconds this rank waited on communication that compute had not
       hidden (CPU blocking time; on CUDA the compute stream's stall).
+    - ``order_changes``: per direction (``forward``/``backward``), passes that strayed
+      from the recorded unit order and replaced it (prefetching is off for the rest of
+      such a pass); 0 once the order is stable. Every step counting: the order changes
+      every step (data-dependent control flow), so prefetching rarely runs.
     - ``full_bytes_now`` / ``full_bytes_peak``: bytes of gathered full parameters
       allocated now / at the peak; ``unsharded_units_peak``: most units holding full
       parameters at once.
@@ -149,6 +159,7 @@ def stats(wait: bool = False) -> dict[str, Any]:
         "collectives": {op: s.as_dict() for op, s in _REC.ops.items()},
         "units": units,
         "exposed_s": _REC.exposed_s,
+        "order_changes": dict(_REC.order_changes),
         "full_bytes_now": _REC.full_bytes_now,
         "full_bytes_peak": _REC.full_bytes_peak,
         "unsharded_units_peak": _REC.unsharded_units_peak,
@@ -163,6 +174,7 @@ def reset_stats(wait: bool = False) -> None:
     _REC.unit_ops.clear()
     _REC.unit_exposed_s.clear()
     _REC.exposed_s = 0.0
+    _REC.order_changes.clear()
     _REC.full_bytes_peak = _REC.full_bytes_now
     _REC.unsharded_units_peak = _REC.live_units
 

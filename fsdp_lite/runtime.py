@@ -26,37 +26,46 @@ if TYPE_CHECKING:
 
 @dataclass
 class ExecOrder:
-    """The order units ran in on the first pass; later passes prefetch along it.
+    """The order units ran in on the last pass that set it; passes prefetch along it.
 
-    A pass that strays from the recorded order (data-dependent control flow) stops
-    prefetching for the rest of that pass rather than gather the wrong unit.
+    A pass that strays from the recorded order (data-dependent control flow, a first
+    pass that was a warm-up or ran part of the model) stops prefetching for the rest of
+    that pass, and its own order replaces the recorded one when it ends: prefetching
+    follows the order once it is stable. A pass that runs a prefix of it (an early exit)
+    keeps it. Each replacement is counted in ``stats()["order_changes"]``.
     """
 
-    recorded: list[Unit] | None = None  # frozen after the first pass
-    recording: list[Unit] = field(default_factory=list)
+    direction: str  # "forward" or "backward", for stats()
+    recorded: list[Unit] | None = None
+    recording: list[Unit] = field(default_factory=list)  # this pass's, once it strayed
     cursor: int = 0  # position of the next expected unit in this pass
     on_track: bool = False
 
     def start(self) -> None:
         self.cursor = 0
         self.on_track = self.recorded is not None
+        self.recording = []
 
     def visit(self, unit: Unit, ahead: int) -> list[Unit]:
         """Note that ``unit`` runs now; return the ``ahead`` units expected next."""
-        if self.recorded is None:
-            self.recording.append(unit)
-            return []
         if not self.on_track:
+            self.recording.append(unit)
             return []
         if self.cursor < len(self.recorded) and self.recorded[self.cursor] is unit:
             self.cursor += 1
             return self.recorded[self.cursor : self.cursor + ahead]
         self.on_track = False
+        self.recording = [*self.recorded[: self.cursor], unit]
         return []
 
     def freeze(self) -> None:
-        if self.recorded is None:
-            self.recorded, self.recording = self.recording, []
+        """The pass is over: a first pass, or one that strayed, sets the order."""
+        if self.recorded is not None and self.on_track:
+            return
+        if self.recorded is not None:
+            accounting.order_changed(self.direction)
+        self.recorded, self.recording = self.recording, []
+        self.on_track = False
 
 
 @dataclass
@@ -67,8 +76,8 @@ class RootContext:
     prefetch: PrefetchPolicy | None  # the root's policy applies to the whole tree
     callback_queued: bool = False  # the end-of-backward callback of this backward
     pending: list[PendingGrad] = field(default_factory=list)  # reduce-scatters in flight
-    forward_order: ExecOrder = field(default_factory=ExecOrder)
-    backward_order: ExecOrder = field(default_factory=ExecOrder)
+    forward_order: ExecOrder = field(default_factory=lambda: ExecOrder("forward"))
+    backward_order: ExecOrder = field(default_factory=lambda: ExecOrder("backward"))
     prefetched: set[Unit] = field(default_factory=set)  # gathered ahead, not yet run
     counting: list[Unit] = field(default_factory=list)  # kept full; saved views counted
     # Gradients taken out of the graph on arrival, to reduce alone (early_grads.py):

@@ -102,6 +102,34 @@ def _check_sequences() -> None:
     assert got[0] == got[1] and all(got[1].count(f"AG {u}") == 2 for u in (R, B0, B1)), got
 
 
+def _check_order_recorded_again_after_a_different_first_pass() -> None:
+    """A first iteration in another order (a warm-up) does not turn prefetching off for
+    the run: the next pass strays, sets the order (counted in stats()), and from the third
+    iteration on the collectives are those of a run whose first pass was in order."""
+    model = wrap_blocks(gpt(), prefetch=POLICIES["limit 2"])
+    blocks = model.module.blocks
+    log: list = []
+    _log_collectives(log)
+    x, y = token_batch(1, 0)
+    blocks[0], blocks[1] = blocks[1], blocks[0]  # the warm-up's order
+    model(x, y)[1].backward()
+    blocks[0], blocks[1] = blocks[1], blocks[0]
+    changes = []
+    for _ in range(3):
+        log.clear()
+        fsdp_lite.reset_stats()
+        model(x, y)[1].backward()
+        changes.append(fsdp_lite.stats()["order_changes"])
+    assert changes == [{"forward": 1, "backward": 1}, {}, {}], changes
+    got = [f"{op} {unit}" for op, unit in log]
+    swapped = {B0: B1, B1: B0}  # units are named where they were at the first forward
+    want = [
+        f"{op} {swapped.get(unit, unit)}"
+        for op, unit in (line.split(" ", 1) for line in EXPECTED["limit 2"][1])
+    ]
+    assert got == want, got
+
+
 def _check_reduce_scatter_inputs_bounded() -> None:
     """A backward keeps at most one reduce-scatter (holding memory the size of a full
     gradient) in flight, not every unit's until its end."""
@@ -151,6 +179,7 @@ def _check_in_flight_bound() -> None:
 def _prefetch(rank: int, world: int) -> None:
     _equivalence(world)
     _check_sequences()
+    _check_order_recorded_again_after_a_different_first_pass()
     _check_in_flight_bound()
     _check_reduce_scatter_inputs_bounded()
 
