@@ -10,6 +10,7 @@ the seam tests patch to observe what crosses the wire.
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import datetime
 import os
@@ -416,13 +417,17 @@ def global_ranks(group: ProcessGroup) -> list[int]:
 #    that did not deviate is blocked in a collective the deviating rank never joins; every
 #    STALL_SECONDS of waiting it looks for an open check and answers with its own entry
 #    at that position. Entries differ: DivergenceError on both, naming units and ranks.
-# On NCCL a blocked collective does not block the host, so an on-track peer cannot answer;
-# the deviating rank raises after the check's timeout (the process group's by default).
+# On NCCL a wait does not block the host: an on-track peer runs ahead and answers from the
+# next collective it issues or iteration it starts (it looks every STALL_SECONDS). A peer
+# blocked in a host sync cannot answer: the deviating rank raises after the check's timeout,
+# by default half the process group's, so its DivergenceError comes before the backend's
+# watchdog aborts the peers' unmatched collectives.
 # "thorough": lockstep always. "off": nothing. Set with FSDP_LITE_CHECK or
 # set_divergence_check().
 
 CHECK_MODES = ("off", "cheap", "thorough")
 STALL_SECONDS = 1.0
+_HISTORY = 8  # iterations remembered to answer a late check
 Entry = tuple[str, str, int]
 _END: Entry = ("end of iteration", "-", 0)
 _OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4, _END[0]: 5}
@@ -437,7 +442,11 @@ class _Guard:
         self.iteration = 0
         self.root: str | None = None  # the root whose forward opened this iteration
         self.log: list[Entry] = []  # this iteration's collectives
-        self.previous: list[Entry] = []  # the last iteration's (any root)
+        # The last iterations' logs (any root), to answer a check a peer opened in one
+        # of them: under NCCL this rank may have run ahead of it.
+        self.history: collections.deque[tuple[int, list[Entry]]] = collections.deque(
+            maxlen=_HISTORY
+        )
         self.references: dict[str, list[Entry]] = {}  # each root's last iteration
         self.reference: list[Entry] | None = None  # this root's, compared against
         self.lockstep = True  # compare every collective across the group before issuing it
@@ -445,6 +454,7 @@ class _Guard:
         self._my_last_key: str | None = None
         self._peers: dict[object, bool] = {}  # group_key -> has ranks to check against
         self._busy = False  # the check's own collectives are not checked
+        self._polled = time.monotonic()  # the last look for an open check (_poll)
 
     def watching(self, group: ProcessGroup) -> bool:
         return self.mode == "cheap" and self._has_peers(group)
@@ -469,6 +479,8 @@ class _Guard:
         if position >= len(ref) or ref[position] != entry:
             self._rendezvous(entry, position, group)
             self.lockstep = True  # every rank took the same turn: compare the rest now
+            return
+        self._poll(group)
 
     def start_iteration(self, root: str, group: ProcessGroup, device: torch.device) -> None:
         """At a root's forward: close the last iteration (a rank that issued fewer
@@ -479,9 +491,13 @@ class _Guard:
                 self._compare_now(_END, len(self.log), group, device)
             elif len(self.log) < len(ref):
                 self._rendezvous(_END, len(self.log), group)
+            else:
+                self._polled = 0.0  # an iteration starts: look now
+                self._poll(group)
         if self.root is not None:
             self.references[self.root] = self.log
-        self.previous, self.log = self.log, []
+        self.history.append((self.iteration, self.log))
+        self.log = []
         self.root = root
         self.iteration += 1
         self.reference = self.references.get(root)
@@ -517,6 +533,14 @@ class _Guard:
         store.set(f"fsdp_lite/open/{name}", f"{self.iteration}/{position}")
         self._answer(store, group, self.iteration, position, entry)
 
+    def _poll(self, group: ProcessGroup) -> None:
+        """Answer an open check, at most every STALL_SECONDS (a clock read otherwise): a
+        rank whose waits never block the host (NCCL) runs ahead of a peer that opened one."""
+        now = time.monotonic()
+        if now - self._polled >= STALL_SECONDS:
+            self._polled = now
+            self.answer_open_check(group)
+
     def answer_open_check(self, group: ProcessGroup) -> None:
         """Called while blocked in a collective: answer a check a peer opened, if any."""
         store = _store()
@@ -528,10 +552,11 @@ class _Guard:
             return
         if iteration == self.iteration and position < len(self.log):
             mine = self.log[position]
-        elif iteration == self.iteration - 1 and position <= len(self.previous):
-            mine = self.previous[position] if position < len(self.previous) else _END
         else:
-            return  # not a point this rank passed: nothing to answer with
+            log = next((log for i, log in self.history if i == iteration), None)
+            if log is None or position > len(log):
+                return  # not a point this rank passed (or remembers): nothing to answer
+            mine = log[position] if position < len(log) else _END
         self._answer(store, group, iteration, position, mine)
 
     def _answer(
@@ -542,7 +567,7 @@ class _Guard:
         base = f"fsdp_lite/check/{group.group_name}/{iteration}/{position}/"
         store.set(base + str(dist.get_rank()), repr(mine))
         keys = [base + str(r) for r in ranks]
-        timeout = datetime.timedelta(seconds=self.timeout or exchange.group_timeout(group))
+        timeout = datetime.timedelta(seconds=self.timeout or exchange.group_timeout(group) / 2)
         try:
             store.wait(keys, timeout)
         except RuntimeError as e:
@@ -595,7 +620,7 @@ def set_divergence_check(mode: str, *, timeout: float | None = None) -> None:
     """``"cheap"`` (default: no communication in the steady-state step), ``"thorough"``
     (every collective compared across ranks before it is issued) or ``"off"``.
     ``timeout``: seconds a rank that took a different path waits for its peers before
-    raising (default: the process group's timeout)."""
+    raising (default: half the process group's timeout)."""
     if mode not in CHECK_MODES:
         raise ValueError(f"divergence check must be one of {CHECK_MODES}, got {mode!r}")
     GUARD.mode = mode

@@ -289,11 +289,15 @@ def _connect(group: dist.ProcessGroup, capacity: int) -> shared_ring.Ring | None
 
 
 def group_timeout(group: dist.ProcessGroup) -> float:
-    """The group's collective timeout in seconds (what a hung collective would wait)."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return dist.default_pg_timeout.total_seconds()
+    """The group's collective timeout in seconds (what a hung collective would wait, and
+    after which NCCL's watchdog aborts): its first backend's that says (CUDA first)."""
+    types = sorted({d.type for d in getattr(group, "_device_types", [])}, key=lambda t: t != "cuda")
+    for device_type in types or ["cpu"]:
+        try:
+            return group._get_backend(torch.device(device_type)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.default_pg_timeout.total_seconds()
 
 
 def _check_sizes(op: str, part: torch.Tensor, whole: torch.Tensor, size: int) -> None:

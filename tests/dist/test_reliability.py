@@ -3,6 +3,7 @@ mismatched data; a rank that dies makes its peers raise PeerError within the tim
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import tempfile
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 import fsdp_lite
+from fsdp_lite import collectives
 from fsdp_lite.collectives import DivergenceError, PeerError
 from fsdp_lite.state_dict import full_grads
 from fsdp_lite.testing import DistributedTestError, run_distributed
@@ -181,3 +183,71 @@ def test_dead_peer_makes_survivors_raise_peer_error() -> None:
         assert "ranks [1] hung or died" in report, report
         seconds = float(Path(tmp, "survivor.txt").read_text().splitlines()[0])
         assert seconds < 30, seconds
+
+
+# -- NCCL semantics: a wait orders streams and never blocks the host ------------------
+# On CPU, a rank's waits are patched (collectives._wait_watching_for_divergence, behind
+# every Handle.wait) to behave as NCCL's do for the host: a collective its peers never
+# join does not hold the host, which goes on (after a short grace, so the buffers of
+# collectives that do complete are written before they are freed); or, for a rank stuck
+# in a host sync, the wait blocks and never looks for a peer's check.
+GRACE_S = 1.0
+
+
+def _non_blocking_wait(work, group) -> None:
+    try:
+        work.wait(datetime.timedelta(seconds=GRACE_S))
+    except RuntimeError as e:
+        if str(e) != collectives._WAIT_TIMED_OUT:
+            raise
+
+
+def _blocked_wait(work, group) -> None:
+    work.wait()
+
+
+def _diverge_under_nccl_semantics(rank: int, world: int, waits: str, out_dir: str) -> None:
+    """Rank 1 skips block 2 at step 3; rank 0's waits follow ``waits``."""
+    if rank == 0:
+        collectives._wait_watching_for_divergence = (
+            _non_blocking_wait if waits == "non-blocking" else _blocked_wait
+        )
+    model = _chain()
+    start = time.monotonic()
+    for step in range(30):
+        if step == 3 and rank == 1:
+            model.module.skip = 2
+        if step == 3:
+            start = time.monotonic()
+        try:
+            model(torch.randn(4, 8)).backward()
+        except (DivergenceError, PeerError) as e:
+            elapsed = time.monotonic() - start
+            Path(out_dir, f"rank{rank}.txt").write_text(f"{type(e).__name__} {elapsed:.2f}\n{e}")
+            return
+    raise AssertionError(f"rank {rank}: no error after rank 1 skipped a unit")
+
+
+@pytest.mark.parametrize("waits", ["non-blocking", "blocked on the host"])
+def test_divergence_error_when_waits_do_not_answer(waits: str) -> None:
+    """Non-blocking: the on-track rank runs ahead and answers the check from its next
+    collective, so both ranks raise DivergenceError within seconds. Blocked: the rank that
+    strayed raises DivergenceError naming the silent rank after half the group's timeout,
+    before the blocked rank's own collective times out (NCCL's watchdog would abort it)."""
+    timeout = 12.0
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_diverge_under_nccl_semantics, 2, waits, tmp, timeout=timeout)
+        reports = [Path(tmp, f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
+    (kind0, s0), (kind1, s1) = (head.split() for head, _ in reports)
+    msg0, msg1 = reports[0][1], reports[1][1]
+    assert kind1 == "DivergenceError" and "unit 'blocks." in msg1, msg1
+    if waits == "non-blocking":
+        assert kind0 == "DivergenceError", msg0
+        for msg in (msg0, msg1):  # the first collective that differs (after prefetches)
+            assert "rank 0: all_gather of unit 'blocks." in msg, msg
+            assert "rank 1: all_gather of unit 'out'" in msg, msg
+        assert float(s0) < BOUND_S and float(s1) < BOUND_S, (s0, s1)
+    else:
+        assert "ranks [0] did not reach that point within 6 s" in msg1, msg1
+        assert kind0 == "PeerError", msg0
+        assert float(s1) < float(s0) < timeout + 3, (s1, s0)
