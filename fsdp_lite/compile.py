@@ -3,20 +3,19 @@
 [Note: compile the forward, not the call]
 A unit's step runs from forward hooks on the wrapped module (see ``unit.py``): they gather,
 install fresh views of the full buffer at the parameter attributes, prefetch, and reshard.
-Those hooks must run eagerly around the compiled region, never inside it:
+Those hooks run eagerly around the compiled region, never inside it: dynamo skips them
+(``unit._run_eagerly``), so ``block.compile()`` and ``torch.compile(model)``, before or
+after wrapping, compile each block's math with a skipped call at the unit's boundary and
+no recompile when each forward installs new parameter views. What this file adds:
 
-- ``block.compile()`` compiles ``nn.Module._call_impl``, so dynamo traces the hooks too:
-  the collectives, ``.data`` swaps, ``requires_grad_`` and grad-hook registration are all
-  graph breaks (a GPT block: 9 graphs and 7 kinds of break at step 1, 3 more graphs at
-  step 2 when the prefetch order is recorded).
-- ``torch.compile(block)`` returns an ``OptimizedModule`` whose forward calls the block's
-  ``__call__``: the same traced hooks, plus an ``_orig_mod.`` in every state-dict key, and
-  an auto-wrap policy by block type no longer matches it.
-- Compiling only ``forward`` (what this file does) leaves ``_call_impl`` and its hooks
-  eager: the compiled region is the block's math, one graph with no break, reading the
-  parameter views as graph inputs (guarded by shape, dtype and stride, not identity, so a
-  new view every step does not recompile). The block stays an instance of its class, so
-  ``wrap.by_type`` still matches it, and the state-dict keys are unchanged.
+- Compiling only ``forward`` leaves ``_call_impl`` and its hooks out of the compiled
+  region altogether: one graph per block class with ``fullgraph=True`` (a graph break
+  inside a block fails at its first forward instead of silently running in pieces).
+- ``torch.compile(block)`` returns an ``OptimizedModule``: an ``_orig_mod.`` in every
+  state-dict key, and an auto-wrap policy by block type no longer matches it. Compiling
+  ``forward`` keeps the block an instance of its class, so ``wrap.by_type`` still matches
+  it, and the state-dict keys are unchanged. The compiled region reads the parameter
+  views as graph inputs (guarded by shape, dtype and stride, not identity).
 
 One compiled function per class, ``torch.compile(type(block).forward)``, bound to each block
 with ``types.MethodType``: every block of a class shares dynamo's cache for that code (one

@@ -114,9 +114,10 @@ class Unit:
             )
 
     def register_hooks(self) -> None:
-        self.module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+        pre, post = _run_eagerly(self.pre_forward), _run_eagerly(self.post_forward)
+        self.module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         # always_call: also after an exception in forward, to reshard and return to IDLE.
-        self.module.register_forward_hook(self.post_forward, with_kwargs=True, always_call=True)
+        self.module.register_forward_hook(post, with_kwargs=True, always_call=True)
 
     # -- forward -------------------------------------------------------------------
 
@@ -463,6 +464,15 @@ def _inputs_done(unit_ref: weakref.ref, watch: _Watch) -> None:
     unit = unit_ref()
     if unit is not None:
         unit.inputs_done(watch)
+
+
+def _run_eagerly(hook: Any) -> Any:
+    """``hook``, never traced by dynamo: where the module's call is compiled
+    (``module.compile()``, ``torch.compile(model)``), the hooks run eagerly around the
+    compiled forward, as FSDP2's do, instead of putting collectives, storage resizes and
+    state changes into the graph (graph breaks inside it, and a recompile whenever a
+    hook's branch changes)."""
+    return torch._dynamo.disable(hook, recursive=True)
 
 
 def _frees_frozen_early(unit: Unit, units: list[Unit]) -> bool:

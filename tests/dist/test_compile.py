@@ -11,6 +11,7 @@ dynamo is reset between them.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import time
 from collections.abc import Callable
@@ -124,6 +125,39 @@ def _deepcopy_case(world: int) -> None:
     assert losses[0] != losses[1], losses
 
 
+def _standard_compile_case(how: str, world: int) -> None:
+    """torch's own APIs: ``block.compile()`` before or after wrapping, ``torch.compile`` of
+    the wrapped model. fsdp_lite's hooks are never traced (they run eagerly around the
+    compiled region): the blocks' math is one graph, compiled in the first step and never
+    again, and the only graph breaks are the skipped hooks at a unit's boundary."""
+    counter = CompileCounterWithBackend("eager")
+
+    def wrap(module: torch.nn.Module) -> fsdp_lite.FSDPModule:
+        if how == "block.compile() before wrapping":
+            for block in module.blocks:
+                block.compile(backend=counter)
+        model = wrap_blocks(module)
+        if how == "block.compile() after wrapping":
+            for block in model.module.blocks:
+                block.compile(backend=counter)
+        if how == "torch.compile(model) after wrapping":
+            model.__dict__["compiled"] = torch.compile(model, backend=counter)
+        return model
+
+    def loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        return model.__dict__.get("compiled", model)(*batch)[1]
+
+    graphs: list[int] = []
+    run = gpt_run(how, world, "fp32", steps=STEPS)
+    run.wrap, run.loss = wrap, loss
+    run.between_steps = lambda model, ref, step: graphs.append(counter.frame_count)
+    compare_training(run)
+    assert graphs == [1] * run.steps, f"graphs compiled after each step: {graphs}"
+    assert counter.op_count > 0, "nothing of the blocks was compiled"
+    breaks = {k: v for k, v in counters["graph_break"].items() if "disable()" not in k}
+    assert not breaks, f"graph breaks other than the skipped hooks: {breaks}"
+
+
 def _cases(rank: int, world: int) -> dict[str, str | None]:
     times: dict[str, float] = {}
 
@@ -147,6 +181,14 @@ def _cases(rank: int, world: int) -> dict[str, str | None]:
             timed("llama fp32 compiled decoder layers", lambda: _llama_case(world)),
             timed("deep copy of a compiled model", lambda: _deepcopy_case(world)),
             timed("compile after wrapping, unit inside a block", lambda: _misuse_case(world)),
+            *(
+                timed(how, functools.partial(_standard_compile_case, how, world))
+                for how in (
+                    "block.compile() before wrapping",
+                    "block.compile() after wrapping",
+                    "torch.compile(model) after wrapping",
+                )
+            ),
         ]
     )
     if rank == 0:
