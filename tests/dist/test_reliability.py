@@ -206,8 +206,11 @@ def _blocked_wait(work, group) -> None:
     work.wait()
 
 
-def _diverge_under_nccl_semantics(rank: int, world: int, waits: str, out_dir: str) -> None:
-    """Rank 1 skips block 2 at step 3; rank 0's waits follow ``waits``."""
+def _diverge_under_nccl_semantics(
+    rank: int, world: int, waits: str, out_dir: str, swap: bool = False
+) -> None:
+    """Rank 1 skips block 2 at step 3 (``swap``: runs blocks 2 and 3, of the same size, in
+    the other order); rank 0's waits follow ``waits``."""
     if rank == 0:
         collectives._wait_watching_for_divergence = (
             _non_blocking_wait if waits == "non-blocking" else _blocked_wait
@@ -215,7 +218,10 @@ def _diverge_under_nccl_semantics(rank: int, world: int, waits: str, out_dir: st
     model = _chain()
     start = time.monotonic()
     for step in range(30):
-        if step == 3 and rank == 1:
+        if step == 3 and rank == 1 and swap:
+            blocks = model.module.blocks
+            blocks[2], blocks[3] = blocks[3], blocks[2]
+        elif step == 3 and rank == 1:
             model.module.skip = 2
         if step == 3:
             start = time.monotonic()
@@ -251,3 +257,17 @@ def test_divergence_error_when_waits_do_not_answer(waits: str) -> None:
         assert "ranks [0] did not reach that point within 6 s" in msg1, msg1
         assert kind0 == "PeerError", msg0
         assert float(s1) < float(s0) < timeout + 3, (s1, s0)
+
+
+def test_same_sized_units_swapped_raise_under_nccl_semantics() -> None:
+    """Two blocks of the same size run in the other order on one rank: gathers of different
+    units would pair and mix shards silently; both ranks raise DivergenceError naming the
+    units at the first collective that differs (prefetching follows the recorded order, so
+    that can come after the swapped blocks' own gathers, which then paired alike)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_diverge_under_nccl_semantics, 2, "non-blocking", tmp, True, timeout=12)
+        reports = [Path(tmp, f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
+    for head, msg in reports:
+        assert head.startswith("DivergenceError"), msg
+        assert "rank 0: all_gather of unit 'blocks." in msg and "rank 1: " in msg, msg
+        assert float(head.split()[1]) < BOUND_S, head
