@@ -12,7 +12,8 @@ a small GPT with a unit per block, each case by name):
   used to keep training);
 - a chunked loss through the root's head outside the root's forward, tied and untied
   (FSDP2's ``test_partial_group_forward_then_standalone``; it used to raise
-  FSDPStateError).
+  FSDPStateError), and such a gradient with no backward through the output after it:
+  refused at the next forward.
 """
 
 from __future__ import annotations
@@ -243,6 +244,22 @@ def _chunked_head(tied: bool) -> Callable[[], None]:
     return case
 
 
+def _head_gradient_never_reduced() -> None:
+    """A backward through the root's head alone, with no backward through the model's output
+    after it: the next forward refuses to go on (the gradient reached no step)."""
+    wrap = lambda m: fsdp_lite.FSDPModule(  # noqa: E731
+        m, auto_wrap_policy=fsdp_lite.wrap.by_type(nn.Sequential)
+    )
+    _, model, _ = _pair(lambda: SkipHeadGPT(False), wrap)
+    x = torch.randint(0, 32, (2, 8))
+    h = model(x, skip_head=True).detach()
+    model.head(h).sum().backward()
+    with pytest.raises(RuntimeError, match=r"unit '<root SkipHeadGPT>' got a gradient in a "
+                       r"backward that did not pass through its outputs"):  # fmt: skip
+        model(x)
+    model(x).sum().backward()  # the dropped gradient is gone: training goes on
+
+
 def _cases(rank: int, world: int) -> dict:
     cases = [("read a block's weight between steps: named error", _read_weight_between_steps)]
     for precision in ("fp32", "bf16"):
@@ -256,6 +273,7 @@ def _cases(rank: int, world: int) -> dict:
         ("requires_grad changed after wrapping: refused", _freeze_after_wrapping),
         ("chunked loss through the root's head (tied)", _chunked_head(True)),
         ("chunked loss through the root's head (untied)", _chunked_head(False)),
+        ("a head gradient never reduced: refused at the next forward", _head_gradient_never_reduced),
     ]
     return run_subtests(cases)
 
