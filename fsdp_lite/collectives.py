@@ -117,8 +117,9 @@ class Handle:
                 _wait_watching_for_divergence(work, self.group)
             accounting.record_wait(self.unit, time.perf_counter() - t0)
         self.failed = None
-        if self.after is not None:
-            self.after()
+        after, self.after = self.after, None  # it may hold the collective's buffers
+        if after is not None:
+            after()
 
 
 def _wait_watching_for_divergence(work: Any, group: ProcessGroup | None) -> None:
