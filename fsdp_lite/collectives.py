@@ -1,5 +1,5 @@
-"""The only module that calls torch.distributed (with ``exchange.py``, its transport for
-reduce-scatters and all-gathers on gloo).
+"""The only module that calls torch.distributed, as torch ships it (c10d's collectives on
+gloo or NCCL: no transport of our own).
 
 Everything that talks to other ranks goes through the free functions here, which
 take everything they need as arguments. They count calls and bytes per collective
@@ -13,6 +13,7 @@ import ast
 import collections
 import contextlib
 import datetime
+import functools
 import os
 import time
 import zlib
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_lite import accounting, exchange
+from fsdp_lite import accounting
 from fsdp_lite.accounting import comm_stats, reset_comm_stats  # noqa: F401 - re-exported
 
 ProcessGroup = dist.ProcessGroup
@@ -136,12 +137,6 @@ def _wait_watching_for_divergence(work: Any, group: ProcessGroup | None) -> None
             if str(e) != _WAIT_TIMED_OUT:
                 raise
         GUARD.answer_open_check(group)
-
-
-def _stalled(group: ProcessGroup) -> Callable[[], None] | None:
-    """What an exchange calls while it waits for room in its ring: the same watch as
-    ``_wait_watching_for_divergence``'s."""
-    return (lambda: GUARD.answer_open_check(group)) if GUARD.watching(group) else None
 
 
 def require_initialized(what: str = "fsdp_lite.FSDPModule") -> None:
@@ -293,15 +288,63 @@ def all_gather_flat(
     accounting.record_collective("all_gather", output, unit)
     device = comm_device(group, output.device)
     out = output if output.device == device else torch.empty_like(output, device=device)
+    staged = _staged(shard, device)
     with _peer_errors("all_gather", unit):
-        if exchange.applies(group, out):
-            work = exchange.all_gather(out, _staged(shard, device), group, _stalled(group))
+        if _on_gloo(group, device):
+            work = _gather_by_broadcasts(out, staged, group)
         else:
-            work = _all_gather_flat(out, _staged(shard, device), group=group, async_op=True)
+            work = _all_gather_flat(out, staged, group=group, async_op=True)
     handle = Handle(work, unit, device, group, _copy_back(output, out))
     if not async_op:
         handle.wait()
     return handle
+
+
+def _take_slice(output: torch.Tensor, summed: torch.Tensor, group: ProcessGroup) -> None:
+    """gloo's reduce-scatter, at its wait: this rank's slice of the in-place sum, then the
+    sum's storage freed (see ``reduce_scatter_flat``)."""
+    output.copy_(summed.view(world_size(group), -1)[rank(group)])
+    summed.untyped_storage().resize_(0)
+
+
+def _on_gloo(group: ProcessGroup, device: torch.device) -> bool:
+    """Whether a collective on ``group`` over a tensor on ``device`` runs on gloo."""
+    key = group_key(group)
+    backend = _BACKENDS.get(key)
+    if backend is None:
+        backend = _BACKENDS[key] = dist.get_backend(group)
+    return device.type == "cpu" and "gloo" in backend
+
+
+_BACKENDS: dict[object, str] = {}  # group_key -> dist.get_backend's answer
+
+
+def _gather_by_broadcasts(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup) -> _Works:
+    """gloo: an all-gather as one broadcast per rank, each straight into its rank's row
+    of ``out``. gloo's own all-gather fills a flat buffer of its own (the size of ``out``)
+    and copies it out, freed on its worker thread: memory beside every gather, and a peak
+    that depends on thread timing. The same bytes cross the wire either way."""
+    rows = out.view(world_size(group), -1)
+    me = rank(group)
+    rows[me].copy_(shard)
+    return _Works(
+        [
+            dist.broadcast(rows[r], src=dist.get_global_rank(group, r), group=group, async_op=True)
+            for r in range(world_size(group))
+        ]
+    )
+
+
+class _Works:
+    """Several c10d works waited for as one (``Work.wait``'s signature)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        for work in self.works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
 
 
 def reduce_scatter_flat(
@@ -312,6 +355,15 @@ def reduce_scatter_flat(
     Worked example, W=2, each rank holding full = [a0, a1, a2, a3] / [b0, b1, b2, b3]:
     rank 0 ends with [a0+b0, a1+b1], rank 1 with [a2+b2, a3+b3]. Asynchronous: ``output``
     is valid only after the returned handle's ``wait()``; keep ``full`` alive until then.
+    ``full`` is the caller's temporary and is consumed: on gloo its storage is freed once
+    the reduction is waited for.
+
+    Gloo has no reduce-scatter of its own: torch's clones the input and all-reduces the
+    clone. Here the all-reduce runs in place on ``full``, which moves the same bytes
+    without the clone, and ``output`` takes this rank's slice at the wait. The storage is
+    then freed here, on this thread: gloo's worker drops its own reference to the work a
+    moment after completing it, and were its the last, the memory would be freed there,
+    at a point that depends on thread timing.
     """
     if world_size(group) == 1:
         output.copy_(full)
@@ -319,12 +371,15 @@ def reduce_scatter_flat(
     GUARD.before("reduce_scatter", unit, full, group)
     accounting.record_collective("reduce_scatter", full, unit)
     device = comm_device(group, output.device)
+    staged = _staged(full, device)
+    if _on_gloo(group, device):
+        with _peer_errors("reduce_scatter", unit):
+            work = dist.all_reduce(staged, group=group, async_op=True)
+        take = functools.partial(_take_slice, output, staged, group)
+        return Handle(work, unit, device, group, take)
     out = output if output.device == device else torch.empty_like(output, device=device)
     with _peer_errors("reduce_scatter", unit):
-        if exchange.applies(group, out):
-            work = exchange.reduce_scatter(out, _staged(full, device), group, _stalled(group))
-        else:
-            work = _reduce_scatter_flat(out, _staged(full, device), group=group, async_op=True)
+        work = _reduce_scatter_flat(out, staged, group=group, async_op=True)
     return Handle(work, unit, device, group, _copy_back(output, out))
 
 
@@ -392,6 +447,18 @@ def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
     out: list[object] = [None] * world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def group_timeout(group: ProcessGroup) -> float:
+    """The group's collective timeout in seconds (what a hung collective would wait, and
+    after which NCCL's watchdog aborts): its first backend's that says (CUDA first)."""
+    types = sorted({d.type for d in getattr(group, "_device_types", [])}, key=lambda t: t != "cuda")
+    for device_type in types or ["cpu"]:
+        try:
+            return group._get_backend(torch.device(device_type)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.default_pg_timeout.total_seconds()
 
 
 def global_ranks(group: ProcessGroup) -> list[int]:
@@ -568,7 +635,7 @@ class _Guard:
         base = f"fsdp_lite/check/{group.group_name}/{iteration}/{position}/"
         store.set(base + str(dist.get_rank()), repr(mine))
         keys = [base + str(r) for r in ranks]
-        timeout = datetime.timedelta(seconds=self.timeout or exchange.group_timeout(group) / 2)
+        timeout = datetime.timedelta(seconds=self.timeout or group_timeout(group) / 2)
         try:
             store.wait(keys, timeout)
         except RuntimeError as e:

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite import exchange
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.offload import CPUOffload, SSDOffload
 from fsdp_lite.planner_layout import UnitLayout, layout_units
@@ -402,10 +401,8 @@ def _optimizer_states(optimizer: str | float) -> float:
 def _comm_keeps(backend: str, world_size: int) -> str:
     if world_size == 1 or backend == "fake":
         return "none"  # collectives.py skips communication at one rank
-    if backend == "gloo" and world_size <= exchange.MAX_RANKS:
-        return "exchange"  # exchange.py: the input kept, (W-1)/W of it received beside it
     if backend in ("nccl", "gloo"):
-        return "input" if backend == "nccl" else "copy"
+        return "input"  # NCCL stashes it; gloo all-reduces it in place (collectives.py)
     raise ValueError(f"backend must be 'nccl', 'gloo' or 'fake', got {backend!r}")
 
 

@@ -19,10 +19,8 @@ Each term is one named line of the breakdown, each following one place of the co
 - ``reduce_scatter_buffers``: the full gradient cast to the reduce dtype, at the
   post-backward; and, on a real backend, what the process group keeps of the one
   reduce-scatter in flight until the next unit's post-backward waits for it
-  (``runtime.wait_previous_reduce_scatter``): gloo up to ``exchange.MAX_RANKS`` ranks keeps
-  the input and receives (W-1)/W of it beside it (``exchange.py``), gloo beyond reduces a
-  clone of its input, NCCL keeps the input itself (the cast, or the full gradient). The
-  fake backend keeps nothing.
+  (``runtime.wait_previous_reduce_scatter``): the input itself (the cast, or the full
+  gradient), which NCCL stashes and gloo all-reduces in place. The fake keeps nothing.
 - ``gradients``: the reduce-scatter outputs (shard-sized, reduce dtype) waiting in
   ``RootContext.pending`` for the end of backward, then the fp32 shard grads they become
   (``PendingGrad.finish``; a copy where the reduce dtype is not the master dtype).
@@ -43,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fsdp_lite import flat_param, shared_ring
+from fsdp_lite import flat_param
 from fsdp_lite.api import PrefetchPolicy
 from fsdp_lite.planner_layout import FlatLayout, UnitLayout
 from fsdp_lite.planner_storage import CATEGORIES, Mark
@@ -73,10 +71,8 @@ class ReplayConfig:
     optimizer_states: float  # states per trainable shard element
     optimizer_temporaries: str  # "none", "per_tensor" or "foreach" (see _optimizer_temporaries)
     step_tensors: bool  # a 4-byte step count per shard (Adam) in this memory
-    # What the backend keeps for the reduce-scatter in flight: "exchange" (gloo up to
-    # exchange.MAX_RANKS: the input and (W-1)/W of it received over TCP, nothing through
-    # a shared-memory ring: see _transport_keeps), "copy" (gloo beyond: it
-    # clones the input), "input" (NCCL stashes the input itself), "none" (fake, one rank).
+    # What the backend keeps for the reduce-scatter in flight: "input" (NCCL stashes it,
+    # gloo all-reduces it in place), "copy" (a clone beside it), "none" (fake, one rank).
     comm_keeps: str
 
 
@@ -278,18 +274,15 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
     out = flat.shard_numel * reduce_dtype.itemsize
     wide = flat.padded_numel * reduce_dtype.itemsize
     pieces = flat_param.widening_pieces(flat.padded_numel, flat.compute_dtype, reduce_dtype)
-    keeps = _transport_keeps(r.cfg.comm_keeps, (flat.world_size - 1) * out)
-    received = (flat.world_size - 1) / flat.world_size  # an exchange's, per byte sent
+    keeps = r.cfg.comm_keeps
     kept = (wide if pieces == 1 else 0) if keeps != "none" else 0
-    copy = {"copy": kept, "exchange": int(kept * received)}.get(keeps, 0)  # beside the input
-    kept += copy if keeps == "exchange" else 0
+    copy = kept if keeps == "copy" else 0  # beside the input
     label = f"backward of {name} (reduce-scatter)"
     if reduce_dtype == flat.compute_dtype:  # the full gradient itself is reduced
         r.consider(mark.at, label, reduce_scatter_buffers=copy, gradients=out)
     elif pieces > 1:  # a piece at a time beside the gradient (two with a real backend)
         piece = -(-flat.shard_numel // pieces) * flat.world_size * reduce_dtype.itemsize
-        per_piece = {"none": 1, "exchange": 2 * (1 + received)}.get(keeps, 2)
-        in_flight = int(piece * per_piece)
+        in_flight = piece * (1 if keeps == "none" else 2)
         r.consider(mark.at, label, reduce_scatter_buffers=in_flight, gradients=out)
     else:  # cast, then the compute-dtype gradient is dropped before the output is made
         r.consider(mark.at, label, reduce_scatter_buffers=wide)
@@ -308,14 +301,6 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
         r._reshard(mark.unit, only_frozen=True)  # frozen params freed once backward is done
 
 
-def _transport_keeps(keeps: str, payload: int) -> str:
-    """An exchange through a shared-memory ring (``shared_ring.py``; the planner takes a
-    gloo group's ranks to share a host, as a CPU run does) keeps nothing beside its
-    output: the payload is copied into the ring as the exchange is issued."""
-    ring = shared_ring.RING_BYTES
-    return "none" if keeps == "exchange" and ring and shared_ring.carries(payload, ring) else keeps
-
-
 def _early_reduce(r: _Replay, mark: Mark, name: str) -> None:
     """``Unit.reduce_slot_now`` (early_grads.py): one slot's gradient reduce-scattered in
     pieces of the (W, shard) layout beside it, its output waiting for the end of backward."""
@@ -324,8 +309,7 @@ def _early_reduce(r: _Replay, mark: Mark, name: str) -> None:
     out = flat.shard_numel * reduce_dtype.itemsize
     step = max(1, flat_param.WIDEN_PIECE_BYTES // (flat.world_size * reduce_dtype.itemsize))
     piece = min(step, flat.shard_numel) * flat.world_size * reduce_dtype.itemsize
-    payload = piece // flat.world_size * (flat.world_size - 1)
-    in_flight = piece * (1 if _transport_keeps(r.cfg.comm_keeps, payload) == "none" else 2)
+    in_flight = piece * (1 if r.cfg.comm_keeps == "none" else 2)
     label = f"backward of {name} (early reduce-scatter)"
     r.consider(mark.at, label, reduce_scatter_buffers=in_flight, gradients=out)
     r.outs += out

@@ -269,7 +269,7 @@ def library_lines(results: dict[str, dict[str, dict]]) -> list[str]:
         )
         parts = [
             f"`{lib['api']}` per step (full-buffer bytes): {ops or 'none'} "
-            f"(observed at the ProcessGroup and fsdp_lite's shared-memory rings: {seen})"
+            f"(observed at the ProcessGroup: {seen})"
         ]
         if "exposed_fraction" in lib:
             parts.append(

@@ -29,9 +29,6 @@ _PG_METHODS = {
     **dict.fromkeys(_SCATTERS, ("reduce_scatter", 1)),  # the input does
     **dict.fromkeys(("allreduce", "allreduce_coalesced"), ("all_reduce", 0)),
     "broadcast": ("broadcast", 0),
-    # fsdp_lite's reduce-scatters and all-gathers on gloo are direct exchanges of messages
-    # (fsdp_lite/exchange.py): each send is counted as what it puts on the wire.
-    "send": ("send", 0),
 }
 
 
@@ -48,7 +45,7 @@ def wire_bytes(kind: str, nbytes: int, world: int) -> float:
     share = (world - 1) / world
     if kind == "all_reduce":  # a reduce-scatter plus an all-gather
         return 2 * share * nbytes
-    if kind in ("broadcast", "send"):
+    if kind == "broadcast":
         return float(nbytes)
     return share * nbytes
 
@@ -77,39 +74,11 @@ def count_collectives() -> Iterator[dict[str, dict[str, float]]]:
 
     for name, orig in originals.items():
         setattr(pg_cls, name, patched(name, orig))
-    ring_stage = _count_ring_stages(counts)
     try:
         yield counts
     finally:
         for name, orig in originals.items():
             setattr(pg_cls, name, orig)
-        if ring_stage is not None:
-            from fsdp_lite.shared_ring import Ring
-
-            Ring.stage = ring_stage
-
-
-def _count_ring_stages(counts: dict) -> Callable | None:
-    """fsdp_lite's exchanges between ranks on one host pass through shared memory
-    (fsdp_lite/shared_ring.py), not the ProcessGroup: count what each stage puts there as
-    "ring", as many times as peers read it (one part each, or one part for all)."""
-    try:
-        from fsdp_lite.shared_ring import Ring
-    except ImportError:
-        return None
-    orig = Ring.stage
-
-    def stage(self: Ring, kind: str, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        nbytes = sum(_nbytes(t) for t in tensors)
-        readers = len(self._peers) if len(tensors) == 1 else 1
-        c = counts["ring"]
-        c["calls"] += 1
-        c["bytes"] += nbytes
-        c["wire_bytes"] += nbytes * readers
-        return orig(self, kind, tensors, *args, **kwargs)
-
-    Ring.stage = stage
-    return orig
 
 
 # -- memory ------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ A run is a YAML file of sections (``model``, ``train``, ``fsdp``, ``data``, ``ch
 Everything is checked before any process group exists: unknown keys, wrong types, bad
 values, and world sizes the run cannot use each raise :class:`ConfigError` naming the key.
 
-``python scripts/train_config.py`` prints the table of keys that the README carries.
+``python scripts/train_config.py`` prints the table of keys that docs/training-script.md carries.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class ConfigError(ValueError):
 
 
 def opt(default: Any, doc: str) -> Any:
-    """A config field: its default and the one line the README table shows for it."""
+    """A config field: its default and the one line the docs table shows for it."""
     return field(default=default, metadata={"doc": doc})
 
 

@@ -46,7 +46,11 @@ def _fp16_reduce_splits_the_division(rank: int, world: int) -> None:
     got = flat.shard.grad
     small = torch.arange(flat.padded_numel).chunk(world)[rank] % 2 == 0
     assert torch.equal(got[small], want[small]), (got[small], want[small])  # exact
-    torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
+    # Ordinary values: the sum's order is the backend's (gloo's ring), so the bound is
+    # fp16 summation's, a few ulps of the summands' magnitude, not of the (cancelling) sum.
+    magnitude = sum(_rank_grad(r, flat.padded_numel).float().abs() for r in range(world))
+    bound = 4 * torch.finfo(torch.float16).eps * magnitude.chunk(world)[rank] / world
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
     dist.barrier()
 
 

@@ -1,14 +1,12 @@
 """The memory planner against two real gloo ranks (test_planner.py uses the fake process
 group, where no collective moves a byte).
 
-With gloo up to 8 ranks, fsdp_lite's reduce-scatters and all-gathers are exchanges; on one
-host, through shared-memory rings (fsdp_lite/shared_ring.py), where a reduce-scatter keeps
-no receive buffer and not its input, and nothing is freed on another thread, which is what
+fsdp_lite's reduce-scatters and all-gathers go through gloo's own collectives, where a
+reduce-scatter keeps a clone of its input until it is waited for, which is what
 ``estimate_memory(backend="gloo")`` assumes. Each rank trains the GPT of test_planner.py
 (B,T = 2,64) for three steps in fp32 and in bf16 and compares its measured peak with the
 estimate: within 1% here, tighter than test_planner.py's 10%, because on this model the
-replay accounts for every allocation, and an estimate that kept a TCP exchange's receive
-buffer and input is 9% high.
+replay accounts for every allocation.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from __future__ import annotations
 from test_planner import Case, _batch, _build, _settings, measure
 
 import fsdp_lite
-from fsdp_lite import exchange
 from fsdp_lite.testing import run_distributed
 
 TOLERANCE = 0.01
@@ -27,7 +24,6 @@ def _rows(rank: int, world: int) -> dict[str, tuple[int, int]]:
     for precision in ("fp32", "bf16"):
         case = Case(world, "gpt", precision)
         measured = measure(case)
-        assert exchange.ring_tensors(), "two ranks on one host exchange through rings"
         model, block = _build(case)
         estimate = fsdp_lite.estimate_memory(
             model,
