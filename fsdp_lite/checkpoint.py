@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_lite.wrap import Policy
+if TYPE_CHECKING:
+    from fsdp_lite.wrap import Policy
 
 _PREFIX = "checkpointed."
 
