@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fsdp_lite import flat_param
+from fsdp_lite import flat_param, schedule
 from fsdp_lite.api import PrefetchPolicy
 from fsdp_lite.planner_layout import FlatLayout, UnitLayout
 from fsdp_lite.planner_storage import CATEGORIES, Mark
@@ -219,32 +219,27 @@ def _apply(r: _Replay, mark: Mark, name: str) -> str:
 def _pre_forward(r: _Replay, mark: Mark) -> None:
     r.forward_order.append(mark.unit)
     own = r.sends.pop(mark.unit, 0) + r._gather(mark.unit)
-    policy = r.cfg.prefetch
-    if policy is not None and policy.forward:
-        _prefetch(r, mark.unit, r.recorded_forward, policy, skip=set())
+    _prefetch(r, mark.unit, r.recorded_forward, backward=False)
     r.consider(mark.at, f"forward of {r.units[mark.unit].name} (gathering)", gather_buffers=own)
 
 
 def _pre_backward(r: _Replay, mark: Mark) -> None:
     r.started.add(mark.unit)
     own = r.sends.pop(mark.unit, 0) + r._gather(mark.unit)
-    policy = r.cfg.prefetch
-    if policy is not None and policy.backward:
-        skip = set(r.started)
-        if r.units[mark.unit].is_root:  # Unit.unshard_with_prefetch
-            skip |= r.outweighs
-        _prefetch(r, mark.unit, r.backward_order, policy, skip=skip)
+    _prefetch(r, mark.unit, r.backward_order, backward=True)
     r.consider(mark.at, f"backward of {r.units[mark.unit].name} (gathering)", gather_buffers=own)
 
 
-def _prefetch(
-    r: _Replay, unit: int, order: list[int], policy: PrefetchPolicy, skip: set[int]
-) -> None:
-    """``RootContext.next_units``: gather the units after ``unit`` in ``order`` (not those in
-    ``skip``, whose backward already ran), each send buffer held until its unit waits."""
-    at = order.index(unit)
-    for other in order[at + 1 : at + policy.max_in_flight]:
-        if other in skip:
+def _prefetch(r: _Replay, unit: int, order: list[int], backward: bool) -> None:
+    """``Unit.unshard_with_prefetch``: gather the units ``schedule`` picks after ``unit``
+    in ``order``, each send buffer held until its unit waits."""
+    for other in schedule.prefetch_targets(order, order.index(unit), r.cfg.prefetch, backward):
+        if schedule.skips_prefetch(
+            backward=backward,
+            from_root=r.units[unit].is_root,
+            target_started=other in r.started,
+            target_outweighs=other in r.outweighs,
+        ):
             continue
         send = r._gather(other)
         if send:
@@ -253,15 +248,15 @@ def _prefetch(
 
 def _keeps_full(r: _Replay, unit: int) -> bool:
     """``Unit.keeps_full_after_forward`` in the steady state (orders recorded, on track)."""
-    if r.cfg.reshard_after_forward is not None:
-        return not r.cfg.reshard_after_forward
-    if r.units[unit].is_root:
-        return True
-    policy = r.cfg.prefetch
-    if policy is None or not policy.backward:
-        return False
     first = next((u for u in r.backward_order if not r.units[u].is_root), None)
-    return first == unit and unit not in r.outweighs
+    return schedule.keeps_full_after_forward(
+        reshard_after_forward=r.cfg.reshard_after_forward,
+        is_root=r.units[unit].is_root,
+        prefetch=r.cfg.prefetch,
+        first_in_backward=first == unit,
+        on_track=True,
+        outweighs_masters=unit in r.outweighs,
+    )
 
 
 def _post_backward(r: _Replay, mark: Mark, name: str) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_map
 
-from fsdp_lite import accounting
+from fsdp_lite import accounting, schedule
 from fsdp_lite.api import PrefetchPolicy
 from fsdp_lite.flat_param import PendingGrad
 from fsdp_lite.state import TrainingState
@@ -46,17 +46,18 @@ class ExecOrder:
         self.on_track = self.recorded is not None
         self.recording = []
 
-    def visit(self, unit: Unit, ahead: int) -> list[Unit]:
-        """Note that ``unit`` runs now; return the ``ahead`` units expected next."""
+    def visit(self, unit: Unit) -> int | None:
+        """Note that ``unit`` runs now; return its index in the recorded order (None off
+        track)."""
         if not self.on_track:
             self.recording.append(unit)
-            return []
+            return None
         if self.cursor < len(self.recorded) and self.recorded[self.cursor] is unit:
             self.cursor += 1
-            return self.recorded[self.cursor : self.cursor + ahead]
+            return self.cursor - 1
         self.on_track = False
         self.recording = [*self.recorded[: self.cursor], unit]
-        return []
+        return None
 
     def freeze(self) -> None:
         """The pass is over: a first pass, or one that strayed, sets the order."""
@@ -87,12 +88,10 @@ class RootContext:
     def next_units(self, unit: Unit, backward: bool) -> list[Unit]:
         """Record ``unit`` in this pass's order and return the units to prefetch now."""
         order = self.backward_order if backward else self.forward_order
-        policy = self.prefetch
-        # A unit's own gather counts as one in flight: prefetch max_in_flight - 1 ahead.
-        ahead = policy.max_in_flight - 1 if policy is not None else 0
-        targets = order.visit(unit, ahead)
-        if policy is None or not (policy.backward if backward else policy.forward):
+        index = order.visit(unit)
+        if index is None:
             return []
+        targets = schedule.prefetch_targets(order.recorded, index, self.prefetch, backward)
         return [u for u in targets if u is not unit]
 
 

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite import accounting, collectives, early_grads, runtime, saved_views
+from fsdp_lite import accounting, collectives, early_grads, runtime, saved_views, schedule
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.flat_param import FlatParam, shard_ranks
 from fsdp_lite.offload import DeviceHome
@@ -245,29 +245,18 @@ class Unit:
 
     def keeps_full_after_forward(self) -> bool:
         """After a forward that built a graph: keep the full parameters for backward?
-
-        ``reshard_after_forward`` True/False decides. ``None`` (default): the root keeps
-        them (its backward runs first), every other unit frees them -- except, with
-        backward prefetching on and this pass following the recorded order, the first unit
-        after the root in the recorded backward order (a transformer's last block): backward
-        would start by gathering it again. Not where its full parameters outweigh this
-        rank's whole fp32 master copy (``outweighs_masters``; large W): kept, or prefetched
-        by the root's pre-backward, they sit beside the gathered root, its head's full
-        gradient and every activation at the step's highest point, for one gather a step.
-        """
-        if self.reshard_after_forward is not None:
-            return not self.reshard_after_forward
-        if self.is_root:
-            return True
+        (``schedule.keeps_full_after_forward``, from this unit's facts.)"""
         ctx = self.ctx
-        policy, recorded = ctx.prefetch, ctx.backward_order.recorded
-        if policy is None or not policy.backward or not recorded:
-            return False
-        if not ctx.forward_order.on_track:
-            return False
-        if next((u for u in recorded if not u.is_root), None) is not self:
-            return False
-        return not self.outweighs_masters
+        recorded = ctx.backward_order.recorded or []
+        first = next((u for u in recorded if not u.is_root), None)
+        return schedule.keeps_full_after_forward(
+            reshard_after_forward=self.reshard_after_forward,
+            is_root=bool(self.is_root),
+            prefetch=ctx.prefetch,
+            first_in_backward=first is self,
+            on_track=ctx.forward_order.on_track,
+            outweighs_masters=self.outweighs_masters,
+        )
 
     def lazy_init(self) -> None:
         """Make the first unit to run forward the root of every unit below it."""
@@ -305,10 +294,13 @@ class Unit:
         for flat in self.flat_params:
             flat.unshard(async_op=True)
         for other in ctx.next_units(self, backward):
-            if backward and other.state is not TrainingState.IDLE:
-                continue  # its backward already ran
-            if backward and self.is_root and other.outweighs_masters:
-                continue  # not beside the root's own backward (keeps_full_after_forward)
+            if schedule.skips_prefetch(
+                backward=backward,
+                from_root=bool(self.is_root),
+                target_started=other.state is not TrainingState.IDLE,
+                target_outweighs=other.outweighs_masters,
+            ):
+                continue
             ctx.prefetched.add(other)
             for flat in other.flat_params:
                 flat.unshard(async_op=True)

@@ -45,8 +45,8 @@ def wire_bytes(kind: str, nbytes: int, world: int) -> float:
     share = (world - 1) / world
     if kind == "all_reduce":  # a reduce-scatter plus an all-gather
         return 2 * share * nbytes
-    if kind == "broadcast":
-        return float(nbytes)
+    # A broadcast: the source sends the buffer to its W-1 peers, so (W-1)/W of it per rank
+    # when, as in fsdp_lite's gloo all-gather, every rank calls the same broadcasts.
     return share * nbytes
 
 
@@ -67,7 +67,9 @@ def count_collectives() -> Iterator[dict[str, dict[str, float]]]:
             c = counts[kind]
             c["calls"] += 1
             c["bytes"] += nbytes
-            c["wire_bytes"] += wire_bytes(kind, nbytes, self.size())
+            # gloo has no reduce-scatter: ProcessGroupGloo runs it as an all-reduce of a copy.
+            on_gloo = kind == "reduce_scatter" and "gloo" in dist.get_backend(self)
+            c["wire_bytes"] += wire_bytes("all_reduce" if on_gloo else kind, nbytes, self.size())
             return orig(self, *args, **kwargs)
 
         return call
