@@ -9,6 +9,7 @@ so nothing but the model under test is communicated.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +112,14 @@ def _mean_over_ranks(x: torch.Tensor) -> float:
     x = x.detach().float().clone()
     dist.all_reduce(x)
     return x.item() / dist.get_world_size()
+
+
+def compare_runs(runs: list[Run]) -> dict[str, str | None]:
+    """``compare_training`` for every run, each reported by its name (``run_subtests``):
+    a run that fails does not hide the state of the others."""
+    from fsdp_lite.testing.subtests import run_subtests
+
+    return run_subtests((run.name, functools.partial(compare_training, run)) for run in runs)
 
 
 def compare_training(run: Run) -> None:

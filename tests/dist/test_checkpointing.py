@@ -15,7 +15,8 @@ from fsdp_lite import FSDPModule, apply_activation_checkpointing, checkpoint_wra
 from fsdp_lite.checkpoint import CheckpointWrapper
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.models import Block
-from fsdp_lite.testing.reference import compare_training
+from fsdp_lite.testing.reference import compare_runs
+from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
 
 
 def unit_outside(module, reentrant: bool, **kwargs) -> FSDPModule:
@@ -87,15 +88,18 @@ def _state_dict_keys(world: int) -> None:
 
 
 def _checkpointing(rank: int, world: int) -> dict:
-    results = {}
-    for run in _runs(world):
-        compare_training(run)
-        results[run.name] = run.results
-    _collective_counts(world)
-    _state_dict_keys(world)
+    results = compare_runs(_runs(world))
+    results.update(
+        run_subtests(
+            [
+                ("recompute issues no extra reduce-scatter", lambda: _collective_counts(world)),
+                ("state dict keys without the wrapper", lambda: _state_dict_keys(world)),
+            ]
+        )
+    )
     return results
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_checkpointing_matches_reference_without_checkpointing(world: int) -> None:
-    print(run_distributed(_checkpointing, world)[0])
+    assert_subtests_passed(run_distributed(_checkpointing, world))

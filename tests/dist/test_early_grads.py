@@ -15,6 +15,7 @@ from hf_cases import hf_run, llama
 
 from fsdp_lite import early_grads, flat_param
 from fsdp_lite.testing import run_distributed
+from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
 from fsdp_lite.testing.reference import compare_training
 from fsdp_lite.unit import Unit
 
@@ -40,15 +41,15 @@ def _cases(rank: int, world: int) -> dict:
         return original(self, flat, index, grad)
 
     Unit.reduce_slot_now = counted
-    results = {}
-    for run in _runs(world):
+
+    def case(run) -> None:
         calls.clear()
         compare_training(run)
         assert len(calls) == run.steps, (run.name, calls)
-        results[run.name] = run.results
-    return results
+
+    return run_subtests((run.name, functools.partial(case, run)) for run in _runs(world))
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_early_reduce_matches_reference(world: int) -> None:
-    print(run_distributed(_cases, world, timeout=300.0)[0])
+    assert_subtests_passed(run_distributed(_cases, world, timeout=300.0))

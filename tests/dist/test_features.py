@@ -23,7 +23,8 @@ from cases import (
 
 from fsdp_lite.state import TrainingState
 from fsdp_lite.testing import run_distributed
-from fsdp_lite.testing.reference import compare_training
+from fsdp_lite.testing.reference import compare_runs
+from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
 from fsdp_lite.tree import unit_of, units_of
 
 
@@ -81,11 +82,8 @@ def _features(rank: int, world: int) -> dict:
             wrap=functools.partial(wrap_by_hand, reshard_after_forward=False),
         ),
     ]
-    results = {}
-    for run in runs:
-        compare_training(run)
-        results[run.name] = run.results
-    _check_tie_owner(world)
+    results = compare_runs(runs)
+    results.update(run_subtests([("tie across units: owner", lambda: _check_tie_owner(world))]))
     return results
 
 
@@ -100,5 +98,4 @@ def _check_tie_owner(world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_features_match_single_process_reference(world: int) -> None:
-    results = run_distributed(_features, world)
-    print(results[0])
+    assert_subtests_passed(run_distributed(_features, world))
