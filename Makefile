@@ -30,6 +30,17 @@ train: venv
 test: venv
 	$(BIN)/python -m pytest -q tests
 
+# The suite on the lowest torch tested: 2.11, the GPU machine's. PyPI's 2.11 is a CUDA
+# build (~3 GB in its own venv); it runs on the CPU.
+TORCH_MIN ?= 2.11.0
+VENV_MIN := .venv-torch-min
+.PHONY: test-torch-min
+test-torch-min:
+	test -x $(VENV_MIN)/bin/python || $(PYTHON) -m venv $(VENV_MIN)
+	$(VENV_MIN)/bin/pip install torch==$(TORCH_MIN)
+	$(VENV_MIN)/bin/pip install -e '.[dev]'
+	$(VENV_MIN)/bin/python -m pytest -q tests
+
 lint: venv
 	$(BIN)/ruff check fsdp_lite tests scripts
 
