@@ -203,7 +203,8 @@ def _non_blocking_wait(work, group) -> None:
 
 
 def _blocked_wait(work, group) -> None:
-    work.wait()
+    """Blocked until the group's timeout, then failed, as NCCL's watchdog would abort."""
+    work.wait(datetime.timedelta(seconds=collectives.group_timeout(group)))
 
 
 def _diverge_under_nccl_semantics(
