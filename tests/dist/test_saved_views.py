@@ -25,6 +25,7 @@ from fsdp_lite import FSDPModule
 from fsdp_lite.flat_param import FreedParameter
 from fsdp_lite.testing import GPT, GPTConfig, run_distributed
 from fsdp_lite.testing.reference import compare_training
+from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
 
 
 class _Observer:
@@ -144,24 +145,26 @@ def _checkpointed_root_refused(world: int) -> str:
 
 
 def _cases(rank: int, world: int) -> dict:
-    results = {}
-    for run, observer in _observed_runs(world):
+    def observed(run, observer) -> None:
         compare_training(run)
         observer.check(run.steps * run.accumulate)
-        results[run.name] = run.results
+
+    cases = [
+        (run.name, functools.partial(observed, run, observer))
+        for run, observer in _observed_runs(world)
+    ]
     kept = gpt_run(
         "checkpointed root, reshard_after_forward=False",
         world,
         raf=False,
         make_model=ProjectedGPT,
     )
-    compare_training(kept)
-    results[kept.name] = kept.results
-    results["checkpointed root refused"] = _checkpointed_root_refused(world)
-    return results
+    cases += [
+        (kept.name, functools.partial(compare_training, kept)),
+        ("checkpointed root refused", lambda: _checkpointed_root_refused(world)),
+    ]
+    return run_subtests(cases)
 
 
 def test_root_freed_inside_backward_matches_reference() -> None:
-    results = run_distributed(_cases, 2, timeout=300.0)
-    for name, value in results[0].items():
-        print(name, value)
+    assert_subtests_passed(run_distributed(_cases, 2, timeout=300.0))
