@@ -251,7 +251,7 @@ class Unit:
         first = next((u for u in recorded if not u.is_root), None)
         return schedule.keeps_full_after_forward(
             reshard_after_forward=self.reshard_after_forward,
-            is_root=bool(self.is_root),
+            is_root=self.is_root is True,
             prefetch=ctx.prefetch,
             first_in_backward=first is self,
             on_track=ctx.forward_order.on_track,
@@ -296,7 +296,7 @@ class Unit:
         for other in ctx.next_units(self, backward):
             if schedule.skips_prefetch(
                 backward=backward,
-                from_root=bool(self.is_root),
+                from_root=self.is_root is True,
                 target_started=other.state is not TrainingState.IDLE,
                 target_outweighs=other.outweighs_masters,
             ):

@@ -17,6 +17,7 @@ step is left out (a CPU AdamW reads its step count on the host).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -100,52 +101,39 @@ def _setup():
     return model, opt, batches
 
 
-def _train_clip(read_stats: bool) -> Callable[[], None]:
+def _train_clip(model, opt, batches, i: int, mode: HostSyncs) -> None:
+    with mode:
+        gpt_loss(model, batches[i % 6]).backward()
+        model.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+def _accumulate(model, opt, batches, i: int, mode: HostSyncs) -> None:
+    with mode:
+        for m in range(3):
+            ctx = model.no_sync() if m < 2 else contextlib.nullcontext()
+            with ctx:
+                (gpt_loss(model, batches[(3 * i + m) % 6]) / 3).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _eval_after_step(model, opt, batches, i: int, mode: HostSyncs) -> None:
+    with mode:
+        gpt_loss(model, batches[i % 6]).backward()
+    opt.step()
+    opt.zero_grad()
+    with mode, torch.no_grad():
+        gpt_loss(model, batches[5])
+
+
+def _case(workflow: Callable, read_stats: bool) -> Callable[[], None]:
+    """One workflow's steps on a fresh model; no host sync once warmed up."""
+
     def case() -> None:
         model, opt, batches = _setup()
-
-        def step(i: int, mode: HostSyncs) -> None:
-            with mode:
-                gpt_loss(model, batches[i % 6]).backward()
-                model.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
-
-        _expect_none(_syncs_per_step(step, read_stats))
-
-    return case
-
-
-def _accumulate(read_stats: bool) -> Callable[[], None]:
-    def case() -> None:
-        model, opt, batches = _setup()
-
-        def step(i: int, mode: HostSyncs) -> None:
-            with mode:
-                for m in range(3):
-                    ctx = model.no_sync() if m < 2 else contextlib.nullcontext()
-                    with ctx:
-                        (gpt_loss(model, batches[(3 * i + m) % 6]) / 3).backward()
-            opt.step()
-            opt.zero_grad()
-
-        _expect_none(_syncs_per_step(step, read_stats))
-
-    return case
-
-
-def _eval_after_step(read_stats: bool) -> Callable[[], None]:
-    def case() -> None:
-        model, opt, batches = _setup()
-
-        def step(i: int, mode: HostSyncs) -> None:
-            with mode:
-                gpt_loss(model, batches[i % 6]).backward()
-            opt.step()
-            opt.zero_grad()
-            with mode, torch.no_grad():
-                gpt_loss(model, batches[5])
-
+        step = functools.partial(workflow, model, opt, batches)
         _expect_none(_syncs_per_step(step, read_stats))
 
     return case
@@ -162,9 +150,15 @@ def _cases(rank: int, world: int) -> dict:
     for read_stats in (False, True):
         extra = ", stats() every step" if read_stats else ""
         cases += [
-            (f"forward, backward, clip_grad_norm_{extra}", _train_clip(read_stats)),
-            (f"2 no_sync micro-batches, then 1 synchronized{extra}", _accumulate(read_stats)),
-            (f"a no_grad eval forward after each step{extra}", _eval_after_step(read_stats)),
+            (f"forward, backward, clip_grad_norm_{extra}", _case(_train_clip, read_stats)),
+            (
+                f"2 no_sync micro-batches, then 1 synchronized{extra}",
+                _case(_accumulate, read_stats),
+            ),
+            (
+                f"a no_grad eval forward after each step{extra}",
+                _case(_eval_after_step, read_stats),
+            ),
         ]
     return run_subtests(cases)
 
