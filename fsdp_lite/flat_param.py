@@ -32,7 +32,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fsdp_lite import accounting, collectives
 from fsdp_lite.offload import DeviceHome
-from fsdp_lite.saved_views import freed_in_backward_message
 
 # Every shard nn.Parameter carries (ranks it is a slice of, replicas its grad is averaged
 # over too), so code that sees only parameters -- an optimizer's step hooks, the grad
@@ -165,7 +164,6 @@ class FlatParam:
         self._gathered_from: tuple[int, int] = (-1, -1)
         # One FreedParameter per slot, at its locations whenever full_data is freed.
         self.placeholders: list[FreedParameter] | None = None
-        self.freed_in_backward = False  # use_freed's placeholders are installed
         # This iteration's views of ``full``, one per slot (use_full_views), for backward.
         self.views: list[torch.Tensor] | None = None
         global _step_hook
@@ -301,17 +299,7 @@ class FlatParam:
                 )
                 for slot in self.slots
             ]
-        self.freed_in_backward = False
         self._install(self.placeholders)
-
-    def use_freed(self) -> None:
-        """After a free inside backward (saved_views.py): placeholders whose error says so."""
-        self.freed_in_backward = True
-        message = freed_in_backward_message(self.unit_name or "?")
-        for slot in self.slots:
-            freed = freed_parameter(slot.shape, self.compute_dtype, self.device, message)
-            for module, attr in slot.locations:
-                module.__dict__[attr] = freed
 
     def load_full(self, flat: torch.Tensor) -> None:
         """Overwrite this rank's shard from an unpadded full flat tensor (no communication)."""
@@ -366,50 +354,6 @@ class FlatParam:
             out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
             work = collectives.reduce_scatter_flat(out, grad, self.group, unit=self.unit_name)
         return PendingGrad(self, [work], out, ranks / pre)
-
-    def reduce_scatter_slot(
-        self, index: int, grad: torch.Tensor, reduce_dtype: torch.dtype
-    ) -> PendingGrad:
-        """Start the reduce-scatter of one slot's gradient alone (zeros everywhere else in
-        the flat param): column pieces of the (W, shard) layout, each assembled straight
-        from ``grad`` (no full-size buffer), at most two in flight; a piece no rank's slot
-        reaches is not sent (the layout, hence the choice, is the same on every rank)."""
-        slot, width, world = self.slots[index], self.shard_numel, self.world_size
-        slot_end = slot.offset + slot.numel
-        ranks = world * self.replicas
-        pre = predivide_factor(ranks, reduce_dtype)
-        source = grad.detach().reshape(-1)
-        out = torch.zeros(width, dtype=reduce_dtype, device=grad.device)
-        step = max(1, WIDEN_PIECE_BYTES // (world * reduce_dtype.itemsize))
-        works: list[collectives.Handle] = []
-        with torch.no_grad():
-            for lo in range(0, width, step):
-                hi = min(lo + step, width)
-                rows = [
-                    (
-                        r,
-                        max(r * width + lo, slot.offset),
-                        min(r * width + hi, slot_end),
-                    )
-                    for r in range(world)
-                ]
-                rows = [(r, a, b) for r, a, b in rows if a < b]
-                if not rows:
-                    continue
-                if len(works) >= 2:
-                    works[-2].wait()
-                piece = torch.zeros((world, hi - lo), dtype=reduce_dtype, device=grad.device)
-                for r, a, b in rows:
-                    start = a - r * width - lo
-                    piece[r, start : start + b - a].copy_(source[a - slot.offset : b - slot.offset])
-                if pre != 1:
-                    piece.div_(pre)
-                works.append(
-                    collectives.reduce_scatter_flat(
-                        out[lo:hi], piece.view(-1), self.group, unit=self.unit_name
-                    )
-                )
-        return PendingGrad(self, works, out, ranks / pre)
 
     def _reduce_widened(
         self, grad: torch.Tensor, out: torch.Tensor, pieces: int

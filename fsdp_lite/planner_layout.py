@@ -80,7 +80,6 @@ class UnitLayout:
     is_root: bool
     flats: list[FlatLayout] = field(default_factory=list)
     has_nested: bool = False  # contains other units (frozen params then wait for the end)
-    counts_saved_views: bool = False  # freed once nothing saved reads it (saved_views.py)
 
     @property
     def full_bytes(self) -> int:
@@ -119,13 +118,6 @@ def layout_units(
     for unit in units:
         nested = [m for m in unit.module.modules() if m is not unit.module and id(m) in picked_ids]
         unit.has_nested = bool(nested)
-        inside = {id(m) for child in nested for m in child.modules()}
-        unit.counts_saved_views = unit.has_nested and not any(
-            id(module) in inside
-            for flat in unit.flats
-            for slot in flat.slots
-            for module, _ in slot.locations
-        )
     order = {id(m): i for i, m in enumerate(model.modules())}
     return [units[0]] + sorted(units[1:], key=lambda u: order.get(id(u.module), 0))
 

@@ -9,9 +9,7 @@ Each term is one named line of the breakdown, each following one place of the co
 - ``buffers``: the model's buffers on the compute device (``prepare_buffers``).
 - ``gathered_units``: full buffers allocated now (``FlatParam.unshard`` .. ``reshard``):
   the running unit's, the prefetched ones' (``PrefetchPolicy``), the root's and, by default,
-  the first unit in backward order after it, kept from forward (``keeps_full_after_forward``);
-  a unit with nested units until nothing saved reads it (``saved_views.py``; the trace's
-  ``free_unread`` mark).
+  the first unit in backward order after it, kept from forward (``keeps_full_after_forward``).
 - ``gather_buffers``: the shard cast to the compute dtype that an all-gather sends, kept
   until the gather is waited for (``FlatParam._gather_send``).
 - ``full_gradients``: (traced) a unit's parameter gradients in the compute dtype until
@@ -200,13 +198,6 @@ def _apply(r: _Replay, mark: Mark, name: str) -> str:
         if unit not in r.started:
             _pre_backward(r, mark)
         return f"backward of {name}"
-    if kind == "free_unread":  # runtime.free_unread: nothing saved reads it any more
-        if r.cfg.reshard_after_forward is None and _keeps_full(r, unit):
-            r._reshard(unit)
-        return f"backward, after freeing {name}"
-    if kind == "early_reduce":
-        _early_reduce(r, mark, name)
-        return f"backward, after the early reduce-scatter of {name}"
     if kind == "post_backward":
         _post_backward(r, mark, name)
         return f"backward, after the reduce-scatter of {name}"
@@ -294,22 +285,6 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
     trainable = [(mark.unit, i) for i, f in enumerate(unit.flats) if f.requires_grad]
     if not unit.has_nested and all(key in r.reduced for key in trainable):
         r._reshard(mark.unit, only_frozen=True)  # frozen params freed once backward is done
-
-
-def _early_reduce(r: _Replay, mark: Mark, name: str) -> None:
-    """``Unit.reduce_slot_now`` (early_grads.py): one slot's gradient reduce-scattered in
-    pieces of the (W, shard) layout beside it, its output waiting for the end of backward."""
-    flat = r._flat(mark.unit, mark.flat)
-    reduce_dtype = r._reduce_dtype(flat)
-    out = flat.shard_numel * reduce_dtype.itemsize
-    step = max(1, flat_param.WIDEN_PIECE_BYTES // (flat.world_size * reduce_dtype.itemsize))
-    piece = min(step, flat.shard_numel) * flat.world_size * reduce_dtype.itemsize
-    in_flight = piece * (1 if r.cfg.comm_keeps == "none" else 2)
-    label = f"backward of {name} (early reduce-scatter)"
-    r.consider(mark.at, label, reduce_scatter_buffers=in_flight, gradients=out)
-    r.outs += out
-    if r.cfg.offload_to_host:
-        r.host_staged += out
 
 
 def _end_of_backward(r: _Replay, mark: Mark) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,7 +44,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_lite import early_grads
 from fsdp_lite.api import MixedPrecision
 from fsdp_lite.planner_layout import FlatLayout, UnitLayout
 from fsdp_lite.planner_storage import (
@@ -56,7 +55,6 @@ from fsdp_lite.planner_storage import (
     StorageTracker,
 )
 from fsdp_lite.runtime import cast_floats, in_backward
-from fsdp_lite.saved_views import SavedViews, pause_enclosing, resume
 from fsdp_lite.unit import tensors_in
 
 
@@ -91,7 +89,7 @@ def trace_step(
             functools.partial(_input, fake=None if real else fake, device=device), example_inputs
         )
         _swap_parameters(units, fulls, undo)
-        counts = _install_unit_hooks(units, fulls, mixed_precision, tracker, undo)
+        _install_unit_hooks(units, fulls, mixed_precision, tracker, undo)
         _install_fp32_modules(model, mixed_precision, undo)
         for module in checkpointed:
             _checkpoint_forward(module, tracker, undo)
@@ -110,7 +108,6 @@ def trace_step(
                 )
             tracker.phase = BACKWARD_TEMPORARIES
             loss.backward()
-            counts.reduce_arrived()  # runtime.finish_backward: what no pre-backward reduced
             tracker.mark("end", -1)
             del loss
     return StepTrace(tracker.marks(), buffer_bytes)
@@ -165,7 +162,7 @@ def _use_views(flat: FlatLayout, full: torch.Tensor, tracker: StorageTracker | N
 
 
 def _tag_grad(tracker: StorageTracker, grad: torch.Tensor | None) -> None:
-    if grad is not None:  # None: every place of it was reduced early (_EarlyReduce)
+    if grad is not None:
         tracker.tag(grad, FULL_GRADIENTS)
 
 
@@ -204,16 +201,12 @@ def _install_unit_hooks(
     mp: MixedPrecision | None,
     tracker: StorageTracker,
     undo: contextlib.ExitStack,
-) -> _SavedCounts:
+) -> None:
     """Marks where fsdp_lite's unit hooks run: pre/post forward on the unit's module, pre
     backward on its outputs' gradient nodes, post backward when a full gradient is done."""
-    counts = _SavedCounts(tracker)
-    for index, unit in enumerate(units):
-        if unit.has_nested:
-            _hook_early_reduces(units, index, counts, undo)
     for index, (unit, unit_fulls) in enumerate(zip(units, fulls, strict=True)):
         cast_to = mp.param_dtype if unit.is_root and mp is not None and mp.cast_inputs else None
-        hooks = _UnitHooks(index, unit, unit_fulls, tracker, counts, cast_to)
+        hooks = _UnitHooks(index, unit, unit_fulls, tracker, cast_to)
         module = unit.module
         handle = module.register_forward_pre_hook(hooks.pre_forward, prepend=True, with_kwargs=True)
         undo.callback(handle.remove)
@@ -223,42 +216,6 @@ def _install_unit_hooks(
                 full.register_post_accumulate_grad_hook(
                     functools.partial(_post_backward, tracker, index, f)
                 )
-    return counts
-
-
-@dataclass
-class _SavedCounts:
-    """``saved_views.py`` in the trace: a unit whose backward started and whose full
-    buffers nothing saved reads any more gets a ``free_unread`` mark at the next unit's
-    pre-backward (``runtime.free_unread``); the replay frees it where fsdp_lite would."""
-
-    tracker: StorageTracker
-    views: dict[int, SavedViews] = field(default_factory=dict)  # unit index -> its count
-    started: set[int] = field(default_factory=set)  # units whose backward started
-    arrived: list[tuple] = field(default_factory=list)  # (unit, flat, gradient) to reduce
-
-    def early_reduce(self, unit: int, flat: int, nested: set[int], grad: torch.Tensor) -> bool:
-        """A large gradient arrived: taken out of the graph, kept until the next
-        pre-backward reduces it (``runtime.reduce_arrived``), if no nested unit started."""
-        if nested & self.started:
-            return False
-        self.arrived.append((unit, flat, grad))
-        return True
-
-    def reduce_arrived(self) -> None:
-        for unit, flat, _grad in self.arrived:
-            self.tracker.mark("early_reduce", unit, flat)
-        self.arrived.clear()
-
-    def pre_backward(self, index: int) -> None:
-        if index not in self.started:
-            for unit, views in list(self.views.items()):
-                if unit in self.started and not views.count:
-                    self.tracker.mark("free_unread", unit)
-                    del self.views[unit]
-            self.reduce_arrived()
-        self.started.add(index)
-        self.tracker.mark("pre_backward", index)
 
 
 @dataclass
@@ -267,74 +224,23 @@ class _UnitHooks:
     unit: UnitLayout
     fulls: list[torch.Tensor]
     tracker: StorageTracker
-    counts: _SavedCounts
     cast_to: torch.dtype | None  # the root casts float inputs (MixedPrecision.cast_inputs)
-    own: SavedViews | None = None  # this forward's count (Unit._count_saved_views)
-    paused: SavedViews | None = None  # an enclosing unit's, during this forward
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if in_backward():  # a recompute: fsdp_lite treats it as the pre-backward
-            self.counts.pre_backward(self.index)
+            self.tracker.mark("pre_backward", self.index)
             return None
         self.tracker.mark("pre_forward", self.index)
         for flat, full in zip(self.unit.flats, self.fulls, strict=True):
             _use_views(flat, full, self.tracker)
-        self.paused = pause_enclosing()
-        if self.unit.counts_saved_views and torch.is_grad_enabled():
-            self.own = self.counts.views.setdefault(self.index, SavedViews())
-            self.own.start(self.fulls)
         return cast_floats((args, kwargs), self.cast_to) if self.cast_to is not None else None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         if in_backward():
             return
-        if self.own is not None:
-            self.own.stop()
-        resume(self.paused)
-        self.own = self.paused = None
         self.tracker.mark("post_forward", self.index)
         if torch.is_grad_enabled():
-            _hook_outputs(out, functools.partial(self.counts.pre_backward, self.index))
-
-
-def _hook_early_reduces(
-    units: list[UnitLayout], index: int, counts: _SavedCounts, undo: contextlib.ExitStack
-) -> None:
-    """``early_grads.install``: before a module holding a large trainable parameter of the
-    unit runs, an alias whose backward marks ``early_reduce`` (and passes nothing on) when
-    no nested unit's backward has started."""
-    unit = units[index]
-    inside = {id(m) for m in unit.module.modules() if m is not unit.module}
-    nested = {j for j, other in enumerate(units) if id(other.module) in inside}
-    for f, flat in enumerate(unit.flats):
-        if not flat.requires_grad:
-            continue
-        for slot in flat.slots:
-            if not early_grads.is_large(slot.shape.numel(), flat.compute_dtype):
-                continue
-            for module, attr in slot.locations:
-                mark = functools.partial(counts.early_reduce, index, f, nested)
-                hook = functools.partial(_alias_before_use, attr, mark)
-                undo.callback(module.register_forward_pre_hook(hook).remove)
-
-
-def _alias_before_use(
-    attr: str, mark: Callable[[torch.Tensor], bool], module: nn.Module, args: tuple
-) -> None:
-    view = module._parameters.get(attr)
-    if view is not None and view.requires_grad and torch.is_grad_enabled() and not in_backward():
-        module._parameters[attr] = _EarlyReduce.apply(view, mark)
-
-
-class _EarlyReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, view: torch.Tensor, mark: Callable[[torch.Tensor], bool]) -> torch.Tensor:
-        ctx.mark = mark
-        return view.view_as(view)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return (None if ctx.mark(grad) else grad), None
+            _hook_outputs(out, functools.partial(self.tracker.mark, "pre_backward", self.index))
 
 
 def _post_backward(tracker: StorageTracker, unit: int, flat: int, full: torch.Tensor) -> None:

@@ -80,10 +80,6 @@ class RootContext:
     forward_order: ExecOrder = field(default_factory=lambda: ExecOrder("forward"))
     backward_order: ExecOrder = field(default_factory=lambda: ExecOrder("backward"))
     prefetched: set[Unit] = field(default_factory=set)  # gathered ahead, not yet run
-    counting: list[Unit] = field(default_factory=list)  # kept full; saved views counted
-    # Gradients taken out of the graph on arrival, to reduce alone (early_grads.py):
-    # (unit, flat param, slot index, gradient).
-    arrived: list[tuple] = field(default_factory=list)
 
     def next_units(self, unit: Unit, backward: bool) -> list[Unit]:
         """Record ``unit`` in this pass's order and return the units to prefetch now."""
@@ -107,8 +103,6 @@ def reset(ctx: RootContext) -> None:
             if flat.full is not None:
                 flat.full.grad = None
     ctx.prefetched.clear()
-    ctx.counting.clear()
-    ctx.arrived.clear()
     ctx.callback_queued = False
 
 
@@ -134,30 +128,6 @@ def end_of_root_forward(ctx: RootContext) -> None:
         if unit.state is TrainingState.IDLE:
             unit.reshard()
     ctx.prefetched.clear()
-
-
-def free_unread(ctx: RootContext) -> None:
-    """Free the full parameters of every unit whose backward started and whose full
-    buffers no tensor saved for backward reads any more (see saved_views.py)."""
-    if not ctx.counting:
-        return
-    backward = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-    keep = []
-    for unit in ctx.counting:
-        if unit.state not in backward or unit.saved_views.count:
-            keep.append(unit)
-        else:
-            unit.free_unread()
-    ctx.counting[:] = keep
-
-
-def reduce_arrived(ctx: RootContext) -> None:
-    """Reduce-scatter the gradients ``early_grads`` took out of the graph, in arrival order
-    (the same on every rank)."""
-    while ctx.arrived:
-        unit, flat, index, grad = ctx.arrived.pop(0)
-        unit.reduce_slot_now(flat, index, grad)
-        del grad
 
 
 def in_backward() -> bool:
@@ -229,7 +199,6 @@ def finish_backward(ctx: RootContext) -> None:
     Also covers units whose parameters got no gradient this iteration.
     """
     with accounting.region("fsdp_lite::finish_backward"):
-        reduce_arrived(ctx)
         reduce_leftovers(ctx)
         for pending in ctx.pending:
             pending.finish()
@@ -240,6 +209,5 @@ def finish_backward(ctx: RootContext) -> None:
         for unit in ctx.units:
             unit.end_backward()
         ctx.prefetched.clear()
-        ctx.counting.clear()
         ctx.backward_order.freeze()
         ctx.callback_queued = False

@@ -11,25 +11,34 @@ One step of one unit, top to bottom in this file:
 
     pre_forward      (root: lazy init, recover, cast inputs) gather + prefetch, views
     post_forward     hook the outputs for pre-backward; reshard unless kept
-    pre_backward     free units nothing saved reads (``saved_views.py``); gather again
-                     + prefetch (the first output gradient to arrive)
+    pre_backward     gather again + prefetch (the first output gradient to arrive)
     post_backward    per trainable flat param: reduce-scatter its gradient, reshard
     inputs_done      frozen flat params resharded once the unit's backward is over
     finish_backward  (root, ``runtime.py``) results into shard grads, all units IDLE
 
-[Note: resharding frozen parameters in backward]
-A frozen flat param (LoRA's base weights) gets no gradient, so no post-backward hook
-tells when backward is done with it. A node of the backward graph runs only if it leads
-to something that needs a gradient; inside a unit with no nested unit that is either
-one of the unit's inputs or one of its own trainable flat params. The autograd engine
-fires a leaf's accumulation, and a gradient hook on the inputs, only after every node
-leading to them ran. So once both have fired -- a ``register_multi_grad_hook`` over the
-inputs of every watched forward call, and every trainable flat param's post-backward --
-no node that reads the frozen parameters is left, and they are freed. Units with nested
-units, or whose modules read another unit's parameters (a deferred tie), keep the frozen
-params until the end of backward, as before. (A tensor that needs a gradient and reaches
-the unit other than through its arguments -- a module attribute set by the caller, an
-object that is not a tuple, list, mapping or dataclass -- is outside this argument.)
+[Note: when a unit's backward is over]
+One rule, from two autograd events, for every unit. A trainable flat param is done when
+its full gradient is complete: the post-accumulate hook on ``full`` fires, and
+``post_backward`` frees it and reduce-scatters the gradient. A frozen flat param (LoRA's
+base weights) gets no gradient, so no such hook tells when backward is done with it. A
+node of the backward graph runs only if it leads to something that needs a gradient;
+inside a unit with no nested unit that is either one of the unit's inputs or one of its
+own trainable flat params. The autograd engine fires a leaf's accumulation, and a gradient
+hook on the inputs, only after every node leading to them ran. So once both have fired --
+a ``register_multi_grad_hook`` over the inputs of every watched forward call, and every
+trainable flat param's post-backward -- no node that reads the frozen parameters is left,
+and they are freed. Units with nested units, or whose modules read another unit's
+parameters (a deferred tie), keep the frozen params until the end of backward. (A tensor
+that needs a gradient and reaches the unit other than through its arguments -- a module
+attribute set by the caller, an object that is not a tuple, list, mapping or dataclass --
+is outside this argument.)
+
+The root's backward starts first and its gradient (the embedding's, which ran first in
+forward) completes last, so the root keeps its full parameters through the whole
+backward, as FSDP2's does. What keeps that small is what keeps it small in torchtitan:
+the embedding and the head get units of their own (``wrap.instances``,
+``wrap.embeddings_and_head``), and the root keeps little more than the final norm. A
+head tied to the embedding stays in the root (a tied parameter lives in one unit).
 """
 
 from __future__ import annotations
@@ -44,11 +53,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite import accounting, collectives, early_grads, runtime, saved_views, schedule
+from fsdp_lite import accounting, collectives, runtime, schedule
 from fsdp_lite.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.flat_param import FlatParam, shard_ranks
 from fsdp_lite.offload import DeviceHome
-from fsdp_lite.saved_views import SavedViews
 from fsdp_lite.state import TrainingState, check_state
 from fsdp_lite.tree import (
     calling_modules,
@@ -95,9 +103,6 @@ class Unit:
         # Its full parameters outweigh this rank's master shards of the whole tree: the root
         # neither keeps it gathered from forward nor prefetches it (keeps_full_after_forward).
         self.outweighs_masters = False
-        # With nested units: counts saved views of the full buffers (saved_views.py).
-        self.saved_views: SavedViews | None = None
-        self._paused: SavedViews | None = None  # an enclosing unit's, during this forward
         self.watches: weakref.WeakSet = weakref.WeakSet()  # forward calls awaiting input grads
         self.grads_pending: set[int] = set()  # id of trainable flats not reduced this backward
         self.enclosure_checked = False  # see _check_enclosing_modules
@@ -154,37 +159,12 @@ class Unit:
             with accounting.region("fsdp_lite::unshard"):
                 self.unshard_with_prefetch(backward=False)
                 self.use_full_params()
-            self._paused = saved_views.pause_enclosing()
-            self._count_saved_views()
         self._watch_inputs(args, kwargs)
         return (args, kwargs)
-
-    def _count_saved_views(self) -> None:
-        """A unit that keeps its full parameters for a backward that starts before its
-        own ends (it has nested units) counts what autograd saves of them (see
-        saved_views.py), so they can be freed once nothing saved reads them."""
-        views = self.saved_views
-        if views is None or self.reshard_after_forward is not None:
-            return
-        if torch.is_grad_enabled() and self.keeps_full_after_forward():
-            views.start([f.full_data for f in self.flat_params if f.is_unsharded])
-            if self not in self.ctx.counting:
-                self.ctx.counting.append(self)
-
-    def free_unread(self) -> None:
-        """``runtime.free_unread``: nothing saved reads the full buffers any more."""
-        for flat in self.flat_params:
-            if flat.is_unsharded:
-                flat.reshard()
-                flat.use_freed()
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """After forward (``output is None`` also after an exception in it: see
         ``register_hooks``)."""
-        if self.saved_views is not None:
-            self.saved_views.stop()
-        saved_views.resume(self._paused)
-        self._paused = None
         if self.state is not TrainingState.FORWARD:
             return  # a recompute in backward, or pre_forward refused to start
         grad_enabled = torch.is_grad_enabled()
@@ -278,11 +258,6 @@ class Unit:
             full = sum(f.full_nbytes for f in unit.flat_params)
             unit.outweighs_masters = not unit.is_root and full > master
             unit.frozen_early = _frees_frozen_early(unit, units)
-            nested = [u for m in unit.module.modules() if (u := unit_of(m)) is not None]
-            if nested:
-                if _counts_saved_views(unit, nested):
-                    unit.saved_views = SavedViews()
-                early_grads.install(unit, nested)
             check_replicas_agree(unit)
 
     # -- gather and free -------------------------------------------------------------
@@ -350,8 +325,6 @@ class Unit:
             )
         if self.state is not TrainingState.IDLE:
             return
-        runtime.free_unread(ctx)
-        runtime.reduce_arrived(ctx)
         with accounting.region("fsdp_lite::pre_backward"):
             self.state = TrainingState.PRE_BACKWARD
             self.grads_pending = {id(f) for f in self.flat_params if f.requires_grad}
@@ -392,13 +365,6 @@ class Unit:
 
     def in_backward(self) -> bool:
         return self.state in _BACKWARD_STATES
-
-    def reduce_slot_now(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
-        """``early_grads.py``: reduce-scatter one place's gradient as it arrives."""
-        with accounting.region("fsdp_lite::reduce_early"):
-            runtime.wait_previous_reduce_scatter(self.ctx)
-            pending = flat.reduce_scatter_slot(index, grad, self.reduce_dtype(flat))
-            self.ctx.pending.append(pending)
 
     def inputs_done(self, watch: object) -> None:
         """The input gradients of one watched forward call are computed."""
@@ -441,8 +407,6 @@ class Unit:
         self.reshard()
         for flat in self.flat_params:
             flat.views = None  # they belong to this iteration's graph
-            if flat.freed_in_backward:  # the between-steps placeholders from now on
-                flat.use_placeholders()
         self.state = TrainingState.IDLE
 
 
@@ -479,18 +443,6 @@ def _frees_frozen_early(unit: Unit, units: list[Unit]) -> bool:
         for other in units
         if other is not unit
         for flat in other.flat_params
-        for slot in flat.slots
-        for module, _ in slot.locations
-    )
-
-
-def _counts_saved_views(unit: Unit, nested: list[Unit]) -> bool:
-    """Does ``unit``, with ``nested`` units inside, count saved views of its full buffers
-    (see saved_views.py)? Where none of them holds one of its parameters."""
-    inside = {id(m) for u in nested for m in region_modules(u.module)}
-    return not any(
-        id(module) in inside
-        for flat in unit.flat_params
         for slot in flat.slots
         for module, _ in slot.locations
     )

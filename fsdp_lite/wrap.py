@@ -41,6 +41,48 @@ def by_size(min_num_params: int) -> Policy:
     return policy
 
 
+def instances(*modules: nn.Module) -> Policy:
+    """Wrap exactly these module objects, e.g. ``instances(model.wte, model.lm_head)``:
+    the embedding and the head as units of their own keep the root small (torchtitan's
+    layout). A module whose only parameters are tied to another unit's gets no unit."""
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"wrap.instances needs nn.Module objects, got {modules!r}")
+    ids = {id(m) for m in modules}
+
+    def policy(module: nn.Module) -> bool:
+        return id(module) in ids
+
+    return policy
+
+
+def embeddings_and_head(model: nn.Module) -> Policy:
+    """``instances`` of the model's input embedding and output head, as Hugging Face's
+    ``get_input_embeddings()`` / ``get_output_embeddings()`` name them; a head tied to the
+    embedding stays with the root, which then holds the shared weight. Combine with the
+    blocks' policy: ``any_of(by_type(*transformer_layers(model)), embeddings_and_head(model))``.
+    """
+    getters = ("get_input_embeddings", "get_output_embeddings")
+    if not all(callable(getattr(model, g, None)) for g in getters):
+        raise TypeError(
+            f"wrap.embeddings_and_head: {type(model).__name__} has no get_input_embeddings() / "
+            "get_output_embeddings(); name the modules yourself: wrap.instances(model.embed, "
+            "model.head)"
+        )
+    found = (model.get_input_embeddings(), model.get_output_embeddings())
+    modules = [m for m in found if m is not None]
+    if len(modules) == 2 and _share_a_parameter(*modules):
+        modules = []  # tied: the shared weight stays in the root
+    return instances(*modules) if modules else _never
+
+
+def _share_a_parameter(a: nn.Module, b: nn.Module) -> bool:
+    return bool({id(p) for p in a.parameters()} & {id(p) for p in b.parameters()})
+
+
+def _never(module: nn.Module) -> bool:
+    return False
+
+
 def transformer_layers(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The layer classes a Hugging Face model says must not be split across devices
     (``_no_split_modules``, e.g. ``LlamaDecoderLayer``), found among ``model``'s modules.

@@ -129,8 +129,9 @@ def _wrap_policy(
     if cfg.fsdp.activation_checkpointing:
         fsdp_lite.apply_activation_checkpointing(model, fsdp_lite.wrap.by_type(*blocks))
         unit_types = (fsdp_lite.checkpoint.CheckpointWrapper,)
-    if cfg.fsdp.wrap == "block":
-        return fsdp_lite.wrap.by_type(*unit_types)
+    if cfg.fsdp.wrap == "block":  # each block, the embedding and the head: one unit each
+        ends = fsdp_lite.wrap.embeddings_and_head(model)
+        return fsdp_lite.wrap.any_of(fsdp_lite.wrap.by_type(*unit_types), ends)
     if cfg.fsdp.wrap == "size":
         by_size = fsdp_lite.wrap.by_size(cfg.fsdp.wrap_min_params)
         # Containers have no forward of their own: a unit around one would never run.

@@ -107,6 +107,12 @@ class GPT(nn.Module):
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
 
+    def get_input_embeddings(self) -> nn.Module:  # named as Hugging Face names them
+        return self.wte
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)

@@ -121,7 +121,7 @@ def hf_run(name: str, world: int, make_model, precision: str = "fp32", **kw) -> 
         make_model=make_model,
         batch=functools.partial(token_batch, world),
         loss=hf_loss,
-        wrap=functools.partial(wrap_layers, mixed_precision=mp),
+        wrap=kw.pop("wrap", functools.partial(wrap_layers, mixed_precision=mp)),
         tol=tol,
         **kw,
     )

@@ -27,7 +27,6 @@ import pytest
 import torch
 
 import fsdp_lite
-from fsdp_lite import early_grads
 from fsdp_lite.checkpoint import CheckpointWrapper
 from fsdp_lite.planner import default_loss
 from fsdp_lite.testing.memory import MemoryRecorder
@@ -59,7 +58,7 @@ class Case:
     reshard_after_forward: bool | None = None
     prefetch: int | None = 2  # PrefetchPolicy.max_in_flight; None: no prefetching
     batch: tuple[int, int] = (2, 64)  # (micro-batch, sequence length)
-    early: bool = False  # the root's large gradients reduced on arrival (early_grads.py)
+    ends: bool = False  # the embedding and the head as units of their own
 
     @property
     def name(self) -> str:
@@ -69,7 +68,7 @@ class Case:
             parts.append(f"reshard_after_forward={self.reshard_after_forward}")
         if self.prefetch != 2:
             parts.append(f"prefetch={self.prefetch}")
-        parts += ["early reduce"] * self.early
+        parts += ["embedding and head units"] * self.ends
         return " ".join(parts)
 
 
@@ -84,8 +83,8 @@ ALL_CASES = [
     Case(8, "gpt", ac=True, offload=True),
     Case(8, "llama", "bf16", ac=True),
     Case(8, "gpt", prefetch=None, reshard_after_forward=True),
-    Case(8, "gpt", "bf16", early=True),
-    Case(64, "llama", "bf16", early=True),
+    Case(8, "llama", "bf16", ends=True),
+    Case(64, "llama", "bf16", ends=True),
     Case(64, "gpt", ac=True),
     Case(64, "llama"),
     Case(64, "gpt", "bf16", offload=True),
@@ -96,6 +95,13 @@ CASES = [c for c in ALL_CASES if HAS_HF or c.model != "llama"]
 
 
 # -- one world size, in its own process --------------------------------------------------
+
+
+def _policy(case: Case, model: torch.nn.Module, block: type) -> fsdp_lite.wrap.Policy:
+    policy = fsdp_lite.wrap.by_type(block)
+    if case.ends:
+        policy = fsdp_lite.wrap.any_of(policy, fsdp_lite.wrap.embeddings_and_head(model))
+    return policy
 
 
 def _build(case: Case) -> tuple[torch.nn.Module, type]:
@@ -149,9 +155,9 @@ def measure(case: Case) -> int:
     per checkpointed block) and return its measured steady-state peak."""
     with MemoryRecorder("cpu") as rec:
         model, block = _build(case)
-        policy = fsdp_lite.wrap.by_type(block)
+        policy = _policy(case, model, block)
         if case.ac:
-            fsdp_lite.apply_activation_checkpointing(model, policy)
+            fsdp_lite.apply_activation_checkpointing(model, fsdp_lite.wrap.by_type(block))
             policy = fsdp_lite.wrap.by_type(CheckpointWrapper)
         model = fsdp_lite.FSDPModule(model, auto_wrap_policy=policy, **_settings(case))
         _train(model, case, rec)
@@ -164,7 +170,7 @@ def estimate(case: Case) -> fsdp_lite.MemoryEstimate:
         model,
         (_batch(case),),
         case.world,
-        auto_wrap_policy=fsdp_lite.wrap.by_type(block),
+        auto_wrap_policy=_policy(case, model, block),
         activation_checkpointing=case.ac,
         backend="fake",
         **_settings(case),
@@ -211,12 +217,9 @@ def worker(world: int) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    threshold = early_grads.EARLY_REDUCE_BYTES
     for case in (c for c in CASES if c.world == world):
-        early_grads.EARLY_REDUCE_BYTES = 4096 if case.early else threshold
         est = estimate(case)
         print(json.dumps(_row(case.name, est, measure(case), case=asdict(case))), flush=True)
-    early_grads.EARLY_REDUCE_BYTES = threshold
     if world == 8:
         print(json.dumps(_plan_row(world)), flush=True)
 

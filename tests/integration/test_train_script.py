@@ -268,7 +268,7 @@ def test_hf_llama_trains_exports_and_continues_from_its_export(tmp_path: Path) -
     export = tmp_path / "checkpoints" / "llama" / "hf_final"
     assert "final model (Hugging Face format) saved to checkpoints/llama/hf_final" in out, out
     summary = json.loads((tmp_path / "runs" / "llama" / "summary.json").read_text())
-    assert summary["units"] == 3  # the root + one per LlamaDecoderLayer
+    assert summary["units"] == 5  # the root, the embedding, the head, one per LlamaDecoderLayer
     assert summary["last_loss"] < summary["first_loss"] - 1.0, summary
     model, info = LlamaForCausalLM.from_pretrained(export, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
