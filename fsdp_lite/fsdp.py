@@ -14,22 +14,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite import collectives, deferred_init, runtime
-from fsdp_lite import state_dict as _state_dict
-from fsdp_lite.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.grad_scaler import install_stock_scaler_check
-from fsdp_lite.grads import nonfinite_units, total_norm
-from fsdp_lite.offload import CPUOffload, DeviceHome, SSDOffload
-from fsdp_lite.state import TrainingState, check_state
-from fsdp_lite.tree import UNIT_ATTR, units_of
-from fsdp_lite.unit import Unit
-from fsdp_lite.unit_init import (
+from fsdp_lite.addons import state_dict as _state_dict
+from fsdp_lite.addons.grad_scaler import install_stock_scaler_check
+from fsdp_lite.addons.offload import CPUOffload, SSDOffload
+from fsdp_lite.core import collectives, deferred_init, runtime
+from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
+from fsdp_lite.core.grads import nonfinite_units, total_norm
+from fsdp_lite.core.home import DeviceHome
+from fsdp_lite.core.state import TrainingState, check_state
+from fsdp_lite.core.tree import UNIT_ATTR, units_of
+from fsdp_lite.core.unit import Unit
+from fsdp_lite.core.unit_init import (
     build_flat_params,
     check_wrappable,
     install_fp32_modules,
     prepare_buffers,
 )
-from fsdp_lite.wrap import Policy, apply_policy
+from fsdp_lite.core.wrap import Policy, apply_policy
 
 DEFAULT_PREFETCH = PrefetchPolicy()
 
@@ -287,7 +288,7 @@ class FSDPModule(nn.Module):
         inside (forward is refused); on exit the full copies are dropped, so memory is
         back to the sharded footprint once nothing else references them.
         """
-        from fsdp_lite.summon import summon_full_params
+        from fsdp_lite.addons.summon import summon_full_params
 
         return summon_full_params(
             self,

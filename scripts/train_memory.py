@@ -25,7 +25,9 @@ import fsdp_lite
 from fsdp_lite.testing.memory import MemoryRecorder
 
 
-def estimate(cfg: Config, vocab_size: int, d: Dist) -> fsdp_lite.MemoryEstimate:
+def estimate(
+    cfg: Config, vocab_size: int, d: Dist
+) -> fsdp_lite.addons.planner.estimate.MemoryEstimate:
     """One rank's peak over a step of this run, as the planner predicts it."""
     f, t = cfg.fsdp, cfg.train
     with torch.device("meta"):
@@ -85,7 +87,7 @@ def _live_tensor_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(storages.values())
 
 
-def report(est: fsdp_lite.MemoryEstimate, measured: int) -> str:
+def report(est: fsdp_lite.addons.planner.estimate.MemoryEstimate, measured: int) -> str:
     mib = 2**20
     parts = ", ".join(f"{k} {v / mib:.1f}" for k, v in est.breakdown.items() if v)
     return (

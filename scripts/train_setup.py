@@ -128,7 +128,7 @@ def _wrap_policy(
     unit_types: tuple[type, ...] = blocks
     if cfg.fsdp.activation_checkpointing:
         fsdp_lite.apply_activation_checkpointing(model, fsdp_lite.wrap.by_type(*blocks))
-        unit_types = (fsdp_lite.checkpoint.CheckpointWrapper,)
+        unit_types = (fsdp_lite.CheckpointWrapper,)
     if cfg.fsdp.wrap == "block":  # each block, the embedding and the head: one unit each
         ends = fsdp_lite.wrap.embeddings_and_head(model)
         return fsdp_lite.wrap.any_of(fsdp_lite.wrap.by_type(*unit_types), ends)

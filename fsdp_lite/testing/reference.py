@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_lite.addons.state_dict import full_grads
 from fsdp_lite.fsdp import FSDPModule
-from fsdp_lite.state_dict import full_grads
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -180,7 +180,7 @@ class _Scalers:
     """The step's optimizers, with or without loss scaling on both sides."""
 
     def __init__(self, on: bool, opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer):
-        from fsdp_lite.grad_scaler import ShardedGradScaler
+        from fsdp_lite.addons.grad_scaler import ShardedGradScaler
 
         self.opt, self.ref_opt = opt, ref_opt
         # The scale jumps x64 after every step taken and /64 after an overflow: from 2**12,

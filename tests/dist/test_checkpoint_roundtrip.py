@@ -27,7 +27,7 @@ from torch import nn
 
 import fsdp_lite
 from fsdp_lite import MixedPrecision
-from fsdp_lite.state_dict import boxes
+from fsdp_lite.addons.state_dict import boxes
 from fsdp_lite.testing import ConvNet, run_distributed
 
 

@@ -12,7 +12,7 @@ from test_prefetch import _log_collectives
 
 import fsdp_lite
 from fsdp_lite import FSDPModule, apply_activation_checkpointing, checkpoint_wrapper
-from fsdp_lite.checkpoint import CheckpointWrapper
+from fsdp_lite.addons.activation_checkpointing import CheckpointWrapper
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.models import Block
 from fsdp_lite.testing.reference import compare_runs

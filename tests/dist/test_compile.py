@@ -24,12 +24,12 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import fsdp_lite
-from fsdp_lite.compile import is_compiled
+from fsdp_lite.addons.compile import is_compiled
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.models import MLP, Block
 from fsdp_lite.testing.reference import Run, compare_training
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
-from fsdp_lite.tree import units_of
+from fsdp_lite.core.tree import units_of
 
 STEPS = 5
 
@@ -51,7 +51,7 @@ def _train_compiled(run: Run, compile_and_wrap: Callable, counter: CompileCounte
     assert graphs == [1] * run.steps, f"graphs compiled after each step: {graphs}"
     assert not counters["graph_break"], dict(counters["graph_break"])
     inner = [u.module for u in units_of(wrapped[0])[1:]]
-    assert len(inner) == 2 and all(is_compiled(fsdp_lite.tree.unwrap(m)) for m in inner), inner
+    assert len(inner) == 2 and all(is_compiled(fsdp_lite.core.tree.unwrap(m)) for m in inner), inner
 
 
 def _gpt_case(precision: str, world: int, checkpointing: bool = False) -> None:
@@ -63,7 +63,7 @@ def _gpt_case(precision: str, world: int, checkpointing: bool = False) -> None:
         if not checkpointing:
             return wrap_blocks(module, mixed_precision=mp)
         fsdp_lite.apply_activation_checkpointing(module, fsdp_lite.wrap.by_type(Block))
-        policy = fsdp_lite.wrap.by_type(fsdp_lite.checkpoint.CheckpointWrapper)
+        policy = fsdp_lite.wrap.by_type(fsdp_lite.CheckpointWrapper)
         return fsdp_lite.FSDPModule(module, auto_wrap_policy=policy, mixed_precision=mp)
 
     run = gpt_run(f"compiled ac={checkpointing}", world, precision, steps=STEPS)

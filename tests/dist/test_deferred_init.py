@@ -20,7 +20,7 @@ import fsdp_lite
 from fsdp_lite.testing import GPTConfig, run_distributed
 from fsdp_lite.testing.models import GPT
 from fsdp_lite.testing.reference import compare_training
-from fsdp_lite.tree import units_of
+from fsdp_lite.core.tree import units_of
 
 
 def _meta(make, seed: int):

@@ -21,11 +21,11 @@ from cases import (
     wrap_by_hand,
 )
 
-from fsdp_lite.state import TrainingState
+from fsdp_lite.core.state import TrainingState
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import compare_runs
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
-from fsdp_lite.tree import unit_of, units_of
+from fsdp_lite.core.tree import unit_of, units_of
 
 
 def _assert_resharded(model) -> None:

@@ -18,8 +18,8 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import fsdp_lite
-from fsdp_lite import hf_checkpoint
-from fsdp_lite.state_dict import flat_params, shard_pieces, state_dict_layout
+from fsdp_lite.addons import hugging_face as hf_checkpoint
+from fsdp_lite.addons.state_dict import flat_params, shard_pieces, state_dict_layout
 from fsdp_lite.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")

@@ -11,28 +11,24 @@ import torch.distributed as dist
 from cases import gpt, gpt_run, token_batch, wrap_blocks
 
 import fsdp_lite
-from fsdp_lite import collectives
+from fsdp_lite.core import collectives
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import compare_training
-from fsdp_lite.tree import units_of
+from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
+from fsdp_lite.core.tree import units_of
 
 
-def _equivalence(world: int, groups) -> None:
+def _equivalence_runs(world: int, groups) -> list:
     mp = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16)
     hybrid = functools.partial(wrap_blocks, process_group=groups)
-    compare_training(gpt_run("hybrid", world, wrap=hybrid))
-    compare_training(gpt_run("hybrid no_sync", world, wrap=hybrid, accumulate=2))
-    compare_training(gpt_run("hybrid clip", world, wrap=hybrid, clip=0.05))
-    compare_training(
-        gpt_run("hybrid", world, "bf16", wrap=functools.partial(hybrid, mixed_precision=mp))
-    )
-    compare_training(
-        gpt_run(
-            "hybrid sync_module_states",
-            world,
-            wrap=functools.partial(hybrid, sync_module_states=True),
-        )
-    )
+    synced = functools.partial(hybrid, sync_module_states=True)
+    return [
+        gpt_run("hybrid", world, wrap=hybrid),
+        gpt_run("hybrid no_sync", world, wrap=hybrid, accumulate=2),
+        gpt_run("hybrid clip", world, wrap=hybrid, clip=0.05),
+        gpt_run("hybrid", world, "bf16", wrap=functools.partial(hybrid, mixed_precision=mp)),
+        gpt_run("hybrid sync_module_states", world, wrap=synced),
+    ]
 
 
 def _observed_collectives(rank: int, world: int, groups) -> None:
@@ -61,16 +57,21 @@ def _observed_collectives(rank: int, world: int, groups) -> None:
     assert gathers and all(g == mates for g in gathers), (mates, gathers)
 
 
-def _hybrid(rank: int, world: int) -> None:
+def _hybrid(rank: int, world: int) -> dict:
     with pytest.raises(ValueError, match="must divide the world size 4"):
         fsdp_lite.hybrid_groups(3)
     groups = fsdp_lite.hybrid_groups(2)
-    _equivalence(world, groups)
-    _observed_collectives(rank, world, groups)
+    cases = [
+        (run.name, functools.partial(compare_training, run))
+        for run in _equivalence_runs(world, groups)
+    ]
+    observed = functools.partial(_observed_collectives, rank, world, groups)
+    cases.append(("gathers within the shard group, all-reduces across replicas", observed))
+    return run_subtests(cases)
 
 
 def test_hybrid_sharding_two_groups_of_two() -> None:
-    run_distributed(_hybrid, 4, timeout=600)
+    assert_subtests_passed(run_distributed(_hybrid, 4, timeout=600))
 
 
 GLOBAL_BATCH = 8

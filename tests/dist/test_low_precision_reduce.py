@@ -12,7 +12,7 @@ from torch import nn
 
 import fsdp_lite
 from fsdp_lite.testing import run_distributed
-from fsdp_lite.tree import units_of
+from fsdp_lite.core.tree import units_of
 
 TINY = 2**-24  # fp16's smallest subnormal
 

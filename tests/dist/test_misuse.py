@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_lite
-from fsdp_lite import collectives
+from fsdp_lite.core import collectives
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
 

@@ -37,13 +37,13 @@ from cases import frozen_gpt, gpt_run, wrap_blocks
 from torch import nn
 
 import fsdp_lite
-from fsdp_lite import collectives
-from fsdp_lite.flat_param import FlatParam
-from fsdp_lite.offload import DeviceHome
+from fsdp_lite.core import collectives
+from fsdp_lite.core.flat_param import FlatParam
+from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import BF16, FP16, Run, Tolerance, compare_training
 from fsdp_lite.testing.subtests import assert_subtests_passed, one_line, run_subtests
-from fsdp_lite.tree import units_of
+from fsdp_lite.core.tree import units_of
 
 Mutation = Callable[[], contextlib.AbstractContextManager[list]]
 

@@ -19,25 +19,28 @@ from test_checkpointing import unit_outside
 import fsdp_lite
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import compare_training
+from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
 
 
 def _offloads(tmp: str) -> dict:
     return {"cpu": fsdp_lite.CPUOffload(), "ssd": fsdp_lite.SSDOffload(tmp)}
 
 
-def _equivalence(world: int, tmp: str) -> None:
+def _equivalence_runs(world: int, tmp: str) -> list:
+    runs = []
     for name, offload in _offloads(tmp).items():
         for raf in (None, True, False):
             wrap = functools.partial(wrap_blocks, offload=offload, reshard_after_forward=raf)
-            compare_training(gpt_run(f"{name} offload", world, raf=raf, wrap=wrap))
+            runs.append(gpt_run(f"{name} offload", world, raf=raf, wrap=wrap))
         wrap = functools.partial(wrap_blocks, offload=offload)
-        compare_training(gpt_run(f"{name} offload no_sync", world, wrap=wrap, accumulate=2))
-        compare_training(gpt_run(f"{name} offload clip", world, wrap=wrap, clip=0.05))
+        runs.append(gpt_run(f"{name} offload no_sync", world, wrap=wrap, accumulate=2))
+        runs.append(gpt_run(f"{name} offload clip", world, wrap=wrap, clip=0.05))
         mp = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16)
         wrap = functools.partial(wrap_blocks, offload=offload, mixed_precision=mp)
-        compare_training(gpt_run(f"{name} offload", world, "bf16", wrap=wrap))
+        runs.append(gpt_run(f"{name} offload", world, "bf16", wrap=wrap))
         wrap = functools.partial(unit_outside, reentrant=False, offload=offload)
-        compare_training(gpt_run(f"{name} offload + checkpointing", world, wrap=wrap))
+        runs.append(gpt_run(f"{name} offload + checkpointing", world, wrap=wrap))
+    return runs
 
 
 def _train(model, steps: int, world: int, rank: int, ssd_state: bool = False) -> list[float]:
@@ -99,15 +102,20 @@ def _bitwise_and_files(world: int, rank: int, tmp: str) -> None:
     assert not directory.exists(), "SSD offload files outlived the model"
 
 
-def _offload(rank: int, world: int, tmp: str) -> None:
-    _equivalence(world, os.path.join(tmp, "eq"))
-    _bitwise_and_files(world, rank, os.path.join(tmp, "bitwise"))
+def _offload(rank: int, world: int, tmp: str) -> dict:
+    cases = [
+        (run.name, functools.partial(compare_training, run))
+        for run in _equivalence_runs(world, os.path.join(tmp, "eq"))
+    ]
+    bitwise = functools.partial(_bitwise_and_files, world, rank, os.path.join(tmp, "bitwise"))
+    cases.append(("bitwise equal to no offload; files private, paged out, removed", bitwise))
+    return run_subtests(cases)
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_offload_matches_reference_and_no_offload(world: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        run_distributed(_offload, world, tmp)
+        assert_subtests_passed(run_distributed(_offload, world, tmp))
 
 
 def test_unusable_ssd_directory_fails_at_wrap_time(world1) -> None:

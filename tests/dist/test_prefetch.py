@@ -11,7 +11,9 @@ from cases import PRECISIONS, gpt, gpt_run, token_batch, wrap_blocks
 from torch import nn
 
 import fsdp_lite
-from fsdp_lite import PrefetchPolicy, collectives, runtime
+from fsdp_lite import PrefetchPolicy
+from fsdp_lite.core import collectives
+from fsdp_lite.core import runtime
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.models import Block, GPTConfig
 from fsdp_lite.testing.reference import compare_training

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import fsdp_lite
-from fsdp_lite import collectives
-from fsdp_lite.collectives import DivergenceError, PeerError
-from fsdp_lite.state_dict import full_grads
+from fsdp_lite.core import collectives
+from fsdp_lite.core.collectives import DivergenceError, PeerError
+from fsdp_lite.addons.state_dict import full_grads
 from fsdp_lite.testing import DistributedTestError, run_distributed
 
 
@@ -145,7 +145,7 @@ def _divergence_modes(rank: int, world: int) -> None:
     model.module.skip = None
     _steps(model, 1)
     # thorough: every collective compared before it is issued, also in the steady state.
-    fsdp_lite.set_divergence_check("thorough")
+    fsdp_lite.core.collectives.set_divergence_check("thorough")
     if rank == 1:
         model.module.skip = 3
     _expect(
@@ -153,7 +153,7 @@ def _divergence_modes(rank: int, world: int) -> None:
         ["about to issue different collectives", "rank 1: "],
         lambda: _steps(model, 1),
     )
-    fsdp_lite.set_divergence_check("cheap")
+    fsdp_lite.core.collectives.set_divergence_check("cheap")
 
 
 def test_divergence_check_modes_and_agreed_paths() -> None:

@@ -25,13 +25,14 @@ from hf_cases import hf_run, llama
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_lite import FSDPModule, wrap
-from fsdp_lite.flat_param import FreedParameter
+from fsdp_lite import FSDPModule
+from fsdp_lite.core import wrap
+from fsdp_lite.core.flat_param import FreedParameter
 from fsdp_lite.testing import GPT, GPTConfig, run_distributed
 from fsdp_lite.testing.models import Block
 from fsdp_lite.testing.reference import compare_training
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
-from fsdp_lite.tree import unit_of, unwrap
+from fsdp_lite.core.tree import unit_of, unwrap
 
 
 def _wrap_ends(blocks, model: nn.Module, mixed_precision=None) -> FSDPModule:

@@ -15,7 +15,7 @@ from ckpt_cases import assert_state_dicts
 
 from fsdp_lite import FSDPStateError, MixedPrecision, TrainingState
 from fsdp_lite.testing import run_distributed
-from fsdp_lite.tree import units_of
+from fsdp_lite.core.tree import units_of
 
 
 def _clean(name: str) -> str:

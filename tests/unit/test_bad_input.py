@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import fsdp_lite
+from fsdp_lite.core.tree import unit_of, units_of
 from fsdp_lite.testing import GPT, GPTConfig
 from fsdp_lite.testing.models import Block
-from fsdp_lite.tree import unit_of, units_of
 
 
 def test_requires_initialized_process_group() -> None:
@@ -88,7 +88,7 @@ def test_wrong_state_names_unit_and_states(world1) -> None:
     ):
         model(torch.ones(1, 3))
     # the failed iteration left the unit usable
-    assert model.training_state is fsdp_lite.TrainingState.IDLE
+    assert model.training_state is fsdp_lite.core.state.TrainingState.IDLE
     inner.callback = None
     model(torch.ones(1, 3)).sum().backward()
     assert model.flat_param_0.grad is not None
@@ -168,16 +168,16 @@ def test_exception_in_backward_leaves_model_usable(world1) -> None:
     x = torch.randn(5, 3)
     with pytest.raises(RuntimeError, match="injected backward failure"):
         model(x).sum().backward()  # fails between the two units' backward
-    assert model.training_state is not fsdp_lite.TrainingState.IDLE  # stuck mid-backward
+    assert model.training_state is not fsdp_lite.core.state.TrainingState.IDLE  # stuck mid-backward
     _FailsInBackward.fail = False
     with pytest.warns(UserWarning, match="previous backward did not finish"):
         out = model(x)
     out.sum().backward()
     plain(x).sum().backward()
     for unit in units_of(model):
-        assert unit.state is fsdp_lite.TrainingState.IDLE
+        assert unit.state is fsdp_lite.core.state.TrainingState.IDLE
         assert not any(f.is_unsharded for f in unit.flat_params)
-    got = fsdp_lite.state_dict.full_grads(model)
+    got = fsdp_lite.addons.state_dict.full_grads(model)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(got[name], p.grad)  # no stale gradient from the failed step
 

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import fsdp_lite
-from fsdp_lite import apply_activation_checkpointing, checkpoint_wrapper, make_viewless_tensor
+from fsdp_lite import apply_activation_checkpointing, checkpoint_wrapper
+from fsdp_lite.addons.activation_checkpointing import make_viewless_tensor
 from fsdp_lite.testing import GPT, GPTConfig
 from fsdp_lite.testing.models import Block
 
@@ -59,7 +60,7 @@ def test_arguments_outputs_and_grads_pass_through(reentrant: bool, offload: bool
 def test_state_dict_keys_unchanged_and_loadable() -> None:
     plain = GPT(GPTConfig())
     wrapped = apply_activation_checkpointing(copy.deepcopy(plain), fsdp_lite.wrap.by_type(Block))
-    assert isinstance(wrapped.blocks[0], fsdp_lite.checkpoint.CheckpointWrapper)
+    assert isinstance(wrapped.blocks[0], fsdp_lite.CheckpointWrapper)
     assert list(wrapped.state_dict()) == list(plain.state_dict())
     wrapped.load_state_dict(plain.state_dict())
     plain.load_state_dict(wrapped.state_dict())

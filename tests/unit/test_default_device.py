@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from fsdp_lite.collectives import default_device
+from fsdp_lite.core.collectives import default_device
 
 
 @pytest.fixture

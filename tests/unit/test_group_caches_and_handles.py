@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from fsdp_lite import collectives
+from fsdp_lite.core import collectives
 
 
 class _Group:

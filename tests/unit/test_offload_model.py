@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fsdp_lite import OffloadModel
-from fsdp_lite.offload_slices import partition as _partition
+from fsdp_lite.addons.offload_slices import partition as _partition
 
 CPU = torch.device("cpu")
 MODES = [pytest.param(False, id="keep"), pytest.param(True, id="checkpoint")]

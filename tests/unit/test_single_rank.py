@@ -19,14 +19,14 @@ def test_world_size_one_matches_plain_module_without_communication(world1) -> No
     model = fsdp_lite.FSDPModule(copy.deepcopy(ref), auto_wrap_policy=fsdp_lite.wrap.by_type(Block))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    fsdp_lite.reset_comm_stats()
+    fsdp_lite.reset_stats()
     for step in range(3):
         x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
         for m, o in ((ref, ref_opt), (model, opt)):
             m(x, x)[1].backward()
             o.step()
             o.zero_grad()
-    assert fsdp_lite.comm_stats() == {}
+    assert fsdp_lite.stats()["collectives"] == {}
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
 
@@ -47,7 +47,7 @@ def test_policies_choose_units(world1) -> None:
 
 
 def test_state_check_message() -> None:
-    from fsdp_lite.state import FSDPStateError, TrainingState, check_state
+    from fsdp_lite.core.state import FSDPStateError, TrainingState, check_state
 
     check_state("u", TrainingState.IDLE, TrainingState.IDLE, doing="x")
     try:

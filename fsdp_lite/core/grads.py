@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsdp_lite import collectives
+from fsdp_lite.core import collectives
 
 if TYPE_CHECKING:
-    from fsdp_lite.unit import Unit
+    from fsdp_lite.core.unit import Unit
 
 
 def total_norm(

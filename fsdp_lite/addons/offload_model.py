@@ -31,7 +31,7 @@ from torch.autograd.function import once_differentiable
 from torch.autograd.profiler import record_function
 from torch.func import functional_call
 
-from fsdp_lite.offload_slices import (
+from fsdp_lite.addons.offload_slices import (
     KeptGraph,
     Resident,
     RngState,

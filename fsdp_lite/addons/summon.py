@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from fsdp_lite.flat_param import FlatParam
-from fsdp_lite.state import TrainingState, check_state
-from fsdp_lite.state_dict import is_rank0, write_shard
-from fsdp_lite.tree import unit_of
+from fsdp_lite.addons.state_dict import is_rank0, write_shard
+from fsdp_lite.core.flat_param import FlatParam
+from fsdp_lite.core.state import TrainingState, check_state
+from fsdp_lite.core.tree import unit_of
 
 if TYPE_CHECKING:
-    from fsdp_lite.unit import Unit
+    from fsdp_lite.core.unit import Unit
 
 # What one location held before the summon (the storage-less view of the full buffer).
 _Saved = list[tuple[nn.Module, str, object]]

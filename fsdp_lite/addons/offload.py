@@ -1,4 +1,5 @@
-"""Homes for shards and shard grads: the compute device (default), CPU memory, or files.
+"""Offload homes for shards and shard grads: CPU memory, or files (the compute device's,
+the default, is ``home.DeviceHome``).
 
 A unit talks to its flat params' home at four points only: once at wrap time
 (``place``), before each gather (``shard_for_gather`` / ``after_gather``), after each
@@ -29,11 +30,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsdp_lite import collectives
-from fsdp_lite.tree import units_of
+from fsdp_lite.core import collectives
+from fsdp_lite.core.home import DeviceHome
+from fsdp_lite.core.tree import units_of
 
 if TYPE_CHECKING:
-    from fsdp_lite.flat_param import FlatParam
+    from fsdp_lite.core.flat_param import FlatParam
 
 
 @dataclass(frozen=True)
@@ -77,36 +79,6 @@ class SSDOffload:
         if home is None:
             home = _SSD_HOMES[str(directory)] = SSDHome(device, directory)
         return home
-
-
-class DeviceHome:
-    """No offload: the shard and its grad live on the compute device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def place(self, flat: FlatParam) -> None:
-        pass
-
-    def shard_for_gather(self, flat: FlatParam) -> torch.Tensor:
-        return flat.shard.detach()
-
-    def after_gather(self, flat: FlatParam) -> None:
-        pass
-
-    def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
-        """Add a reduced shard grad (compute device, reduce dtype) to the fp32 shard grad."""
-        shard = flat.shard
-        if shard.grad is None:
-            shard.grad = grad.to(shard.dtype)
-        else:
-            shard.grad.add_(grad)
-
-    def end_of_backward(self) -> None:
-        pass
-
-    def release(self) -> None:
-        """After the optimizer step: nothing needs to stay resident."""
 
 
 class CPUHome(DeviceHome):

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite.tree import unit_of
+from fsdp_lite.core.tree import unit_of
 
 _MARK = "_fsdp_lite_compiled"  # in a compiled block's __dict__: the compiled function
 

@@ -37,13 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.offload import CPUOffload, SSDOffload
-from fsdp_lite.planner_layout import UnitLayout, layout_units
-from fsdp_lite.planner_replay import TERMS, ReplayConfig, replay
-from fsdp_lite.planner_trace import StepTrace, trace_step
-from fsdp_lite.unit import tensors_in
-from fsdp_lite.wrap import Policy
+from fsdp_lite.addons.offload import CPUOffload, SSDOffload
+from fsdp_lite.addons.planner.layout import UnitLayout, layout_units
+from fsdp_lite.addons.planner.replay import TERMS, ReplayConfig, replay
+from fsdp_lite.addons.planner.trace import StepTrace, trace_step
+from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
+from fsdp_lite.core.unit import tensors_in
+from fsdp_lite.core.wrap import Policy
 
 _MiB = 2**20
 _OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
@@ -107,7 +107,7 @@ class Plan:
     def wrap(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         """``FSDPModule(model, **fsdp_kwargs(), **kwargs)``, each unit's module checkpointed
         first when the plan says so."""
-        from fsdp_lite.checkpoint import apply_activation_checkpointing
+        from fsdp_lite.addons.activation_checkpointing import apply_activation_checkpointing
         from fsdp_lite.fsdp import FSDPModule
 
         ac = self.activation_checkpointing

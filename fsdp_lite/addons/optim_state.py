@@ -34,9 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite import collectives
-from fsdp_lite.flat_param import FlatParam
-from fsdp_lite.state_dict import (
+from fsdp_lite.addons.state_dict import (
     broadcast_object_from_rank0,
     broadcast_slots,
     check_idle,
@@ -45,6 +43,8 @@ from fsdp_lite.state_dict import (
     param_names,
     write_shard,
 )
+from fsdp_lite.core import collectives
+from fsdp_lite.core.flat_param import FlatParam
 
 OptimStateDict = dict[str, Any]
 

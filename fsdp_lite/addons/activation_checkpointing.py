@@ -26,13 +26,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:
-    from fsdp_lite.wrap import Policy
+    from fsdp_lite.core.wrap import Policy
 
 _PREFIX = "checkpointed."
 
 
 class CheckpointWrapper(nn.Module):
     """Recompute ``checkpointed``'s forward in backward instead of keeping its activations."""
+
+    _fsdp_lite_wrapped = "checkpointed"  # tree.WRAPPED_ATTR: unwrap steps over this wrapper
 
     def __init__(
         self,

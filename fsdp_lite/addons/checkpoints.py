@@ -47,10 +47,9 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from fsdp_lite import atomic_dir, collectives
-from fsdp_lite import optim_state as _optim
-from fsdp_lite.flat_param import FlatParam
-from fsdp_lite.state_dict import (
+from fsdp_lite.addons import atomic_dir
+from fsdp_lite.addons import optim_state as _optim
+from fsdp_lite.addons.state_dict import (
     boxes,
     check_idle,
     expected_shapes,
@@ -58,7 +57,9 @@ from fsdp_lite.state_dict import (
     validate_keys,
     write_shard,
 )
-from fsdp_lite.tree import units_of
+from fsdp_lite.core import collectives
+from fsdp_lite.core.flat_param import FlatParam
+from fsdp_lite.core.tree import units_of
 
 FORMAT = 1
 MARKER = "fsdp_lite"
@@ -240,7 +241,7 @@ def load_checkpoint(
     the checkpoint was written by fewer ranks). Call on every rank.
 
     The checkpoint must hold exactly the model's keys and shapes, and the optimizer's
-    parameter groups (see ``fsdp_lite.optim_state``); otherwise, or if the directory is
+    parameter groups (see ``fsdp_lite.addons.optim_state``); otherwise, or if the directory is
     incomplete or not an fsdp_lite checkpoint, ``CheckpointError`` is raised on every
     rank before anything is loaded. ``extra`` is unpickled: load only checkpoints you trust.
     """

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_lite import collectives
-from fsdp_lite.flat_param import shard_ranks
+from fsdp_lite.core import collectives
+from fsdp_lite.core.flat_param import shard_ranks
 
 
 class ShardedGradScaler(torch.amp.GradScaler):

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_lite import collectives, deferred_init, runtime
-from fsdp_lite.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.flat_param import FlatParam, ParamSlot, master_dtype, shard_ranks
-from fsdp_lite.tree import clean_named_modules, region_modules, unit_of
-from fsdp_lite.wrap import unowned_parameters
+from fsdp_lite.core import collectives, deferred_init, runtime
+from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
+from fsdp_lite.core.flat_param import FlatParam, ParamSlot, master_dtype, shard_ranks
+from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of
+from fsdp_lite.core.wrap import unowned_parameters
 
 if TYPE_CHECKING:
-    from fsdp_lite.unit import Unit
+    from fsdp_lite.core.unit import Unit
 
 
 def _flattened_by_nested(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
@@ -221,8 +221,6 @@ def check_wrappable(
     offload: object,
 ) -> None:
     """Reject bad arguments before anything is changed."""
-    from fsdp_lite.offload import CPUOffload, SSDOffload
-
     if not isinstance(module, nn.Module):
         raise TypeError(f"FSDPModule wraps an nn.Module, got {type(module).__name__}")
     if unit_of(module) is not None or module.__dict__.get("_fsdp_lite_wrapped"):
@@ -236,7 +234,7 @@ def check_wrappable(
         )
     if prefetch is not None and not isinstance(prefetch, PrefetchPolicy):
         raise TypeError(f"prefetch must be fsdp_lite.PrefetchPolicy or None, got {prefetch!r}")
-    if offload is not None and not isinstance(offload, CPUOffload | SSDOffload):
+    if offload is not None and not callable(getattr(offload, "make_home", None)):
         raise TypeError(
             f"offload must be fsdp_lite.CPUOffload, SSDOffload or None, got {offload!r}"
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from fsdp_lite.api import PrefetchPolicy
+from fsdp_lite.core.api import PrefetchPolicy
 
 T = TypeVar("T")
 

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fsdp_lite import flat_param, schedule
-from fsdp_lite.api import PrefetchPolicy
-from fsdp_lite.planner_layout import FlatLayout, UnitLayout
-from fsdp_lite.planner_storage import CATEGORIES, Mark
-from fsdp_lite.planner_trace import StepTrace
+from fsdp_lite.addons.planner.layout import FlatLayout, UnitLayout
+from fsdp_lite.addons.planner.storage import CATEGORIES, Mark
+from fsdp_lite.addons.planner.trace import StepTrace
+from fsdp_lite.core import flat_param, schedule
+from fsdp_lite.core.api import PrefetchPolicy
 
 TERMS = (
     "shards",

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_lite import accounting
-from fsdp_lite.accounting import comm_stats, reset_comm_stats  # noqa: F401 - re-exported
+from fsdp_lite.core import accounting
 
 ProcessGroup = dist.ProcessGroup
 

@@ -36,10 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite import collectives
-from fsdp_lite.flat_param import FlatParam
-from fsdp_lite.save_load import CheckpointError
-from fsdp_lite.state_dict import (
+from fsdp_lite.addons.checkpoints import CheckpointError
+from fsdp_lite.addons.state_dict import (
     IncompatibleKeys,
     boxes,
     check_idle,
@@ -50,7 +48,9 @@ from fsdp_lite.state_dict import (
     state_dict_layout,
     validate_keys,
 )
-from fsdp_lite.tree import clean_named_modules
+from fsdp_lite.core import collectives
+from fsdp_lite.core.flat_param import FlatParam
+from fsdp_lite.core.tree import clean_named_modules
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

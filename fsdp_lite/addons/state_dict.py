@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fsdp_lite import collectives
-from fsdp_lite.flat_param import FlatParam, ParamSlot
-from fsdp_lite.state import TrainingState, check_state
-from fsdp_lite.tree import clean_named_modules, units_of
+from fsdp_lite.core import collectives
+from fsdp_lite.core.flat_param import FlatParam, ParamSlot
+from fsdp_lite.core.state import TrainingState, check_state
+from fsdp_lite.core.tree import clean_named_modules, units_of
 
 if TYPE_CHECKING:
-    from fsdp_lite.unit import Unit
+    from fsdp_lite.core.unit import Unit
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 Location = tuple[int, str]  # (id(module), attribute)

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_map
 
-from fsdp_lite import accounting, schedule
-from fsdp_lite.api import PrefetchPolicy
-from fsdp_lite.flat_param import PendingGrad
-from fsdp_lite.state import TrainingState
+from fsdp_lite.core import accounting, schedule
+from fsdp_lite.core.api import PrefetchPolicy
+from fsdp_lite.core.flat_param import PendingGrad
+from fsdp_lite.core.state import TrainingState
 
 if TYPE_CHECKING:
-    from fsdp_lite.unit import Unit
+    from fsdp_lite.core.unit import Unit
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
-    from fsdp_lite.unit import Unit
+    from fsdp_lite.core.unit import Unit
 
 UNIT_ATTR = "_fsdp_lite_unit"
 
@@ -29,16 +29,19 @@ def units_of(root: nn.Module) -> list[Unit]:
     return [u for m in root.modules() if (u := unit_of(m)) is not None]
 
 
+# A wrapper module class (activation checkpointing's) names, in this class attribute, the
+# attribute that holds the module it wraps: unwrap steps over it without importing it.
+WRAPPED_ATTR = "_fsdp_lite_wrapped"
+
+
 def unwrap(module: nn.Module) -> nn.Module:
     """Step over unit and activation-checkpoint wrappers to the user's module."""
-    from fsdp_lite.checkpoint import CheckpointWrapper
-
     while True:
         unit = unit_of(module)
         if unit is not None:
             module = unit.module
-        elif isinstance(module, CheckpointWrapper):
-            module = module.checkpointed
+        elif (attr := getattr(type(module), WRAPPED_ATTR, None)) is not None:
+            module = getattr(module, attr)
         else:
             return module
 

@@ -177,12 +177,3 @@ def reset_stats(wait: bool = False) -> None:
     _REC.order_changes.clear()
     _REC.full_bytes_peak = _REC.full_bytes_now
     _REC.unsharded_units_peak = _REC.live_units
-
-
-def comm_stats() -> dict[str, dict[str, Any]]:
-    """Calls, bytes and dtypes per collective since the last reset (see :func:`stats`)."""
-    return {op: s.as_dict() for op, s in _REC.ops.items()}
-
-
-def reset_comm_stats() -> None:
-    reset_stats()

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fsdp_lite.api import MixedPrecision
-from fsdp_lite.flat_param import master_dtype
-from fsdp_lite.tree import unit_of
-from fsdp_lite.wrap import Policy, param_locations, unowned_parameters
+from fsdp_lite.core.api import MixedPrecision
+from fsdp_lite.core.flat_param import master_dtype
+from fsdp_lite.core.tree import unit_of
+from fsdp_lite.core.wrap import Policy, param_locations, unowned_parameters
 
 Location = tuple[nn.Module, str]
 

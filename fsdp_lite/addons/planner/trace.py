@@ -44,9 +44,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_lite.api import MixedPrecision
-from fsdp_lite.planner_layout import FlatLayout, UnitLayout
-from fsdp_lite.planner_storage import (
+from fsdp_lite.addons.planner.layout import FlatLayout, UnitLayout
+from fsdp_lite.addons.planner.storage import (
     ACTIVATIONS,
     BACKWARD_TEMPORARIES,
     FULL_GRADIENTS,
@@ -54,8 +53,9 @@ from fsdp_lite.planner_storage import (
     Mark,
     StorageTracker,
 )
-from fsdp_lite.runtime import cast_floats, in_backward
-from fsdp_lite.unit import tensors_in
+from fsdp_lite.core.api import MixedPrecision
+from fsdp_lite.core.runtime import cast_floats, in_backward
+from fsdp_lite.core.unit import tensors_in
 
 
 @dataclass

@@ -53,19 +53,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite import accounting, collectives, runtime, schedule
-from fsdp_lite.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.flat_param import FlatParam, shard_ranks
-from fsdp_lite.offload import DeviceHome
-from fsdp_lite.state import TrainingState, check_state
-from fsdp_lite.tree import (
+from fsdp_lite.core import accounting, collectives, runtime, schedule
+from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
+from fsdp_lite.core.flat_param import FlatParam, shard_ranks
+from fsdp_lite.core.home import DeviceHome
+from fsdp_lite.core.state import TrainingState, check_state
+from fsdp_lite.core.tree import (
     calling_modules,
     clean_named_modules,
     region_modules,
     unit_of,
     unwrap,
 )
-from fsdp_lite.unit_init import check_replicas_agree
+from fsdp_lite.core.unit_init import check_replicas_agree
 
 _BACKWARD_STATES = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from fsdp_lite import accounting, collectives
-from fsdp_lite.offload import DeviceHome
+from fsdp_lite.core import accounting, collectives
+from fsdp_lite.core.home import DeviceHome
 
 # Every shard nn.Parameter carries (ranks it is a slice of, replicas its grad is averaged
 # over too), so code that sees only parameters -- an optimizer's step hooks, the grad

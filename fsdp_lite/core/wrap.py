@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fsdp_lite.tree import unit_of
+from fsdp_lite.core.tree import unit_of
 
 Policy = Callable[[nn.Module], bool]
 

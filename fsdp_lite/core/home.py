@@ -1,0 +1,42 @@
+"""Where a flat param's shard and shard grad live between uses. The default home, the
+compute device, is here; the offload homes (CPU memory, files) extend it in
+``addons/offload.py``. The four points a unit calls a home at are listed there."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from fsdp_lite.core.flat_param import FlatParam
+
+
+class DeviceHome:
+    """No offload: the shard and its grad live on the compute device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def place(self, flat: FlatParam) -> None:
+        pass
+
+    def shard_for_gather(self, flat: FlatParam) -> torch.Tensor:
+        return flat.shard.detach()
+
+    def after_gather(self, flat: FlatParam) -> None:
+        pass
+
+    def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
+        """Add a reduced shard grad (compute device, reduce dtype) to the fp32 shard grad."""
+        shard = flat.shard
+        if shard.grad is None:
+            shard.grad = grad.to(shard.dtype)
+        else:
+            shard.grad.add_(grad)
+
+    def end_of_backward(self) -> None:
+        pass
+
+    def release(self) -> None:
+        """After the optimizer step: nothing needs to stay resident."""
