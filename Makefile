@@ -41,6 +41,16 @@ test-torch-min:
 	$(VENV_MIN)/bin/pip install -e '.[dev]'
 	$(VENV_MIN)/bin/python -m pytest -q tests
 
+# The CUDA/NCCL paths on one GPU in one command (< 8 min): the CUDA test tier, W=1 NCCL and
+# W=2 gloo-on-CUDA against the reference, W=8 fake-PG memory, host syncs, a ~1B Llama bench
+# against FSDP2 and the unwrapped model, compiled blocks. Writes gpu_check.md ($OUT/ when set).
+# Runs the machine's python3 (the lent GPU machine has torch and no pip); here, a dry run on
+# the CPU checks the plumbing: make gpu-check GPU_PYTHON=.venv/bin/python ARGS=--dry-run
+GPU_PYTHON ?= python3
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) scripts/gpu_check.py $(ARGS)
+
 lint: venv
 	$(BIN)/ruff check fsdp_lite tests scripts
 

@@ -396,7 +396,8 @@ def llama_bench(device: torch.device, dry: bool, peaks: dict[str, float]) -> Ite
     yield (f"INFO Llama {params / 1e9:.2f}B params ({cfg.num_hidden_layers} layers, dim "
            f"{cfg.hidden_size}, vocab {cfg.vocab_size}), seq {seq} x {batch}, bf16 compute, "
            f"fp32 reduce and masters, AdamW, W=1; median of {rounds} interleaved rounds "
-           f"of {steps} steps; MFU over {peak / 1e12 if peak else '?'} TFLOP/s ({name})")  # fmt: skip
+           f"of {steps} steps; MFU over {peak / 1e12 if peak else '?'} TFLOP/s "
+           f"({name})")  # fmt: skip
     yield "| system | s/step | tokens/s | MFU | peak GiB |"
     yield "|---|---:|---:|---:|---:|"
     rate = {}
@@ -471,8 +472,10 @@ def compile_bench(device: torch.device, dry: bool) -> Iterator[str]:
         yield f"INFO {mode}: first step {first_s:.1f} s"
     yield "| blocks | tokens/s | vs eager | loss@0 |"
     yield "|---|---:|---:|---:|"
-    for mode in rates:
-        yield f"| {mode} | {rates[mode]:,.0f} | {rates[mode] / rates['eager']:.2f}x | {losses[mode]:.6f} |"
+    for mode, rate in rates.items():
+        ratio = rate / rates["eager"]
+        yield f"| {mode} | {rate:,.0f} | {ratio:.2f}x | {losses[mode]:.6f} |"
     close = abs(losses["compiled"] - losses["eager"]) <= 2e-2 * abs(losses["eager"])
-    yield f"{'PASS' if close else 'FAIL'} compiled blocks: first loss equals eager's (bf16 tolerance)"
+    verdict = "PASS" if close else "FAIL"
+    yield f"{verdict} compiled blocks: first loss equals eager's (bf16 tolerance)"
     yield target(rates["compiled"] >= rates["eager"], "compiled blocks >= eager tokens/s", dry)

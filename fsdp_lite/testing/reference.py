@@ -87,6 +87,9 @@ class Run:
     # fp16 loss scaling: fsdp_lite.ShardedGradScaler beside torch.amp.GradScaler on the
     # reference; the same steps must be skipped and the scales stay equal.
     scaler: bool = False
+    # The reference and every batch live here (e.g. "cuda:0"); the wrapped model lives
+    # where ``wrap`` puts it. None: the CPU.
+    device: str | None = None
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -97,15 +100,27 @@ def _slice(batch: Batch, index: int, parts: int) -> Batch:
 def _reference_step(run: Run, ref: nn.Module, micro: Batch, world: int) -> torch.Tensor:
     if not (run.split_reference or run.replay_rng):
         return run.loss(ref, micro)
-    rng = torch.get_rng_state()
+    rng = _rng_state()
     total = 0.0
     for r in range(world):
         if run.replay_rng:
-            torch.set_rng_state(rng)
+            _set_rng_state(rng)
         total = total + run.loss(ref, _slice(micro, r, world))
     if run.replay_rng:
-        torch.set_rng_state(rng)  # the FSDP rank's forward draws the same masks
+        _set_rng_state(rng)  # the FSDP rank's forward draws the same masks
     return total / world
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The CPU generator's state, and every CUDA device's where CUDA is initialized."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
 
 
 def _mean_over_ranks(x: torch.Tensor) -> float:
@@ -127,7 +142,9 @@ def compare_training(run: Run) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234)
     ref = run.make_model()
-    initial = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    if run.device is not None:
+        ref.to(run.device)
+    initial = {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}
     model = run.wrap(copy.deepcopy(ref))
     # eps=1e-6, not 1e-8: some gradients are zero in exact arithmetic (the key bias of
     # attention, anything a norm cancels) and rounding noise there would be normalized
@@ -139,6 +156,8 @@ def compare_training(run: Run) -> None:
         run.before_training(model, ref)
     for step in range(run.steps):
         batch = run.batch(step)
+        if run.device is not None:
+            batch = tuple(t.to(run.device) for t in batch)
         ref_loss = fsdp_loss = 0.0
         for m in range(run.accumulate):
             micro = _slice(batch, m, run.accumulate)
@@ -245,7 +264,7 @@ def _check_grads(run: Run, model: FSDPModule, ref: nn.Module, step: int) -> None
             if name in got:
                 raise AssertionError(f"[{run.name}] frozen parameter {name} got a gradient")
             continue
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        want = (p.grad if p.grad is not None else torch.zeros_like(p)).to(got[name].device)
         err = ((got[name] - want).norm() / want.norm().clamp_min(1e-12)).item()
         limit = run.tol.grad_rtol
         if err > limit and (got[name] - want).abs().max() > 1e-7:
@@ -271,7 +290,8 @@ def _check_close(run: Run, what: str, got: float, want: float, rtol: float) -> N
 
 
 def _check_params(run: Run, model: FSDPModule, ref: nn.Module, initial: dict, world: int) -> None:
-    got, want = model.state_dict(), ref.state_dict()
+    got = model.state_dict()
+    want = {k: v.cpu() for k, v in ref.state_dict().items()}
     if list(got) != list(want):
         raise AssertionError(f"[{run.name}] state dict keys differ: {list(got)} vs {list(want)}")
     params = {n for n, _ in ref.named_parameters(remove_duplicate=False)}

@@ -414,10 +414,7 @@ def test_backward_twice_needs_checkpointing() -> None:
             assert_equal(p.grad, q.grad, exact=False)
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@needs_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_cuda_memory_holds_about_one_slice(checkpoint: bool) -> None:
     cuda = torch.device("cuda")
@@ -449,7 +446,7 @@ def test_cuda_memory_holds_about_one_slice(checkpoint: bool) -> None:
     assert all(p.grad.device == CPU for p in om.parameters())
 
 
-@needs_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_cuda_losses_and_grads_equal_plain_model_on_cuda(checkpoint: bool) -> None:
     m, cuda = 2, torch.device("cuda")

@@ -1,0 +1,47 @@
+"""``make gpu-check``'s plumbing, dry-run on the CPU: every part it runs here reports PASS
+(or SKIP where it needs CUDA), the summary file holds each part and the verdict, and a
+failing part fails the command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gpu_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, str]:
+    out = tmp_path / "gpu_check.md"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("OUT", None)
+    proc = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", str(out), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    return proc, out.read_text() if out.exists() else ""
+
+
+def test_dry_run_writes_every_part_and_the_verdict(tmp_path: Path) -> None:
+    parts = "w1,w2,fake8,syncs,bench"
+    proc, summary = _gpu_check(tmp_path, "--parts", parts, "--budget", "240")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for part in parts.split(","):
+        assert f"## {part}" in summary, summary
+    assert summary.count("PASS W=1 gloo") == 7, summary
+    assert "PASS W=2 gloo on one device" in summary
+    assert "SKIP host syncs" in summary and "| fsdp_lite |" in summary
+    assert "FAIL" not in summary and "## verdict\n\nPASS" in summary, summary
+
+
+def test_a_part_past_its_share_is_stopped_and_fails(monkeypatch) -> None:
+    import io
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    import gpu_check
+
+    summary = io.StringIO()
+    failed = gpu_check._run_part("bench", dry=True, limit=1.0, summary=summary)
+    assert failed == 1 and "FAIL bench: stopped after its 1 s share" in summary.getvalue()

@@ -1,0 +1,57 @@
+"""The CUDA tier's one-process checks (``pytest -m cuda``; skipped without CUDA): a unit
+on the device trains like a reference on the same device, in fp32 and bf16, with and
+without CPU offload (pinned host shards), and its full state dict comes back on the CPU.
+The multi-rank and NCCL checks are ``make gpu-check``'s (scripts/gpu_check.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fsdp_lite
+from fsdp_lite.testing import GPT, GPTConfig
+from fsdp_lite.testing.models import Block
+from fsdp_lite.testing.reference import BF16, FP32, Run, compare_training
+
+pytestmark = pytest.mark.cuda
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, 64, (2, 16), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _wrap(model, **kw) -> fsdp_lite.FSDPModule:
+    return fsdp_lite.FSDPModule(
+        model, auto_wrap_policy=fsdp_lite.wrap.by_type(Block), device="cuda", **kw
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("offload", [False, True])
+def test_unit_on_cuda_matches_reference_on_cuda(world1, precision: str, offload: bool) -> None:
+    mp = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16) if precision == "bf16" else None
+    kw = {"mixed_precision": mp, "offload": fsdp_lite.CPUOffload() if offload else None}
+    run = Run(
+        name=f"cuda {precision} offload={offload}",
+        make_model=functools.partial(GPT, GPTConfig()),
+        batch=_batch,
+        loss=lambda model, batch: model(*batch)[1],
+        wrap=functools.partial(_wrap, **kw),
+        tol=BF16 if precision == "bf16" else FP32,
+        device="cuda",
+    )
+    compare_training(run)
+
+
+def test_cpu_offload_shards_are_pinned_and_state_dict_is_on_cpu(world1) -> None:
+    model = _wrap(GPT(GPTConfig()), offload=fsdp_lite.CPUOffload())
+    shards = list(model.parameters())
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in shards)
+    x, y = (t.cuda() for t in _batch(0))
+    model(x, y)[1].backward()
+    assert all(p.grad is not None and p.grad.device.type == "cpu" for p in shards)
+    assert all(v.device.type == "cpu" for v in model.state_dict().values())
