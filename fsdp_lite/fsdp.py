@@ -17,7 +17,7 @@ from torch import nn
 from fsdp_lite.addons import state_dict as _state_dict
 from fsdp_lite.addons.grad_scaler import install_stock_scaler_check
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
-from fsdp_lite.core import collectives, deferred_init, runtime
+from fsdp_lite.core import collectives, deferred_init, devices, runtime
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.grads import nonfinite_units, total_norm
 from fsdp_lite.core.home import DeviceHome
@@ -106,7 +106,7 @@ class FSDPModule(nn.Module):
         # Parameters are sharded over process_group; with hybrid sharding the shard grads
         # are then averaged over replicate_group (None otherwise).
         self.process_group, self.replicate_group = collectives.resolve_groups(process_group)
-        self.device = collectives.default_device(device)
+        self.device = devices.default_device(device)
         self.mixed_precision = mixed_precision
         self.prefetch = prefetch
         rank = collectives.rank(self.process_group)

@@ -25,6 +25,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from fsdp_lite.core import devices
+
 if TYPE_CHECKING:
     from fsdp_lite.core.wrap import Policy
 
@@ -58,7 +60,7 @@ class CheckpointWrapper(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing would be saved: run plainly
             return self.checkpointed(*args, **kwargs)
-        with self._saved_tensor_home():
+        with self._saved_tensor_home(args, kwargs):
             if self.use_reentrant:
                 return self._reentrant(args, kwargs)
             return checkpoint(
@@ -75,11 +77,15 @@ class CheckpointWrapper(nn.Module):
         except AttributeError:
             return getattr(self._modules["checkpointed"], name)
 
-    def _saved_tensor_home(self) -> contextlib.AbstractContextManager:
-        """With offload_to_cpu, the region's saved inputs wait for backward in CPU memory."""
+    def _saved_tensor_home(self, args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
+        """With offload_to_cpu, the region's saved inputs wait for backward in CPU memory:
+        pinned (asynchronous copies) where they come from a device that pins host memory."""
         if not self.offload_to_cpu:
             return contextlib.nullcontext()
-        return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+        leaves = tree_flatten((args, kwargs))[0]
+        device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None)
+        pin = device is not None and devices.pins_host_memory(device)
+        return torch.autograd.graph.save_on_cpu(pin_memory=pin)
 
     def _reentrant(self, args: tuple, kwargs: dict) -> Any:
         """The reentrant variant takes positional tensors and returns tensors: flatten

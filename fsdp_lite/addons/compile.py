@@ -60,8 +60,9 @@ def compile_blocks(
             fails at its first forward instead of silently running in pieces.
 
     Returns the names of the compiled modules. Raises ``ValueError`` if ``model`` already
-    holds a unit (compile before wrapping), if a picked module was compiled already, or if
-    nothing was picked.
+    holds a unit (compile before wrapping), if a picked module was compiled already, if
+    nothing was picked, or for a mode that captures CUDA graphs (``"reduce-overhead"``,
+    ``"max-autotune"``, ``options={"triton.cudagraphs": True}``).
     """
     policy = _as_policy(policy_or_types)
     for name, m in model.named_modules():
@@ -71,6 +72,7 @@ def compile_blocks(
                 f"fsdp_lite.compile_blocks: the model already holds an FSDPModule unit "
                 f"({where}); compile the blocks before wrapping the model"
             )
+    _refuse_cuda_graphs(compile_kwargs)
     compile_kwargs.setdefault("fullgraph", True)
     compiled_by_class: dict[type, Callable] = {}
     names: list[str] = []
@@ -90,6 +92,27 @@ def compile_blocks(
             f"{type(model).__name__}"
         )
     return names
+
+
+# torch.compile settings that capture CUDA graphs (max-autotune's include them).
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _refuse_cuda_graphs(compile_kwargs: dict[str, Any]) -> None:
+    """A CUDA graph replays fixed input addresses: every call would copy the block's full
+    parameters (fresh views of a re-gathered buffer each forward) into the graph's static
+    inputs, a full extra copy of every unit per step; and a graph pool holds its own
+    memory beside the freed full buffers."""
+    mode = compile_kwargs.get("mode")
+    options = compile_kwargs.get("options") or {}
+    if mode in _CUDA_GRAPH_MODES or options.get("triton.cudagraphs"):
+        what = f"mode={mode!r}" if mode in _CUDA_GRAPH_MODES else "options['triton.cudagraphs']"
+        raise ValueError(
+            f"fsdp_lite.compile_blocks: {what} captures CUDA graphs, which would copy each "
+            "block's full parameters into the graph's static inputs at every call (a unit "
+            "gathers them into a fresh buffer each forward). Use the default mode, or "
+            "mode='max-autotune-no-cudagraphs'"
+        )
 
 
 def is_compiled(module: nn.Module) -> bool:

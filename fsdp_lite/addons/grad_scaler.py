@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_lite.core import collectives
+from fsdp_lite.core import collectives, devices
 from fsdp_lite.core.flat_param import shard_ranks
 
 
@@ -63,7 +63,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         process_group: collectives.ProcessGroup | None = None,
     ) -> None:
         if device is None:  # torch's GradScaler says "cuda", and is disabled without it
-            device = collectives.default_device(None).type
+            device = devices.default_device(None).type
         super().__init__(
             device,
             init_scale=init_scale,
@@ -102,12 +102,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         collectives.require_initialized("fsdp_lite.ShardedGradScaler")
         group = collectives.resolve_group(self.process_group)
         scale, _ = self._check_scale_growth_tracker("unscale_")
-        # NCCL takes CUDA tensors only; gloo CPU ones (and CUDA ones, for a CUDA scaler).
-        device = scale.device if scale.device.type == "cuda" else torch.device("cpu")
+        # Where the group's backend takes the flags (NCCL: CUDA tensors only).
+        device = collectives.comm_device(group, scale.device)
         flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         verdict = torch.zeros((), dtype=torch.float32, device=device)  # shape: ()
+        non_blocking = devices.pins_host_memory(device)
         for flag in flags.values():  # each 0.0 or 1.0; the verdict too (fused kernels test == 1)
-            torch.maximum(verdict, flag.to(device, non_blocking=device.type == "cuda"), out=verdict)
+            torch.maximum(verdict, flag.to(device, non_blocking=non_blocking), out=verdict)
         collectives.all_reduce(verdict, group, op="max", kind="grad_scaler")
         for flag in flags.values():
             flag.zero_()

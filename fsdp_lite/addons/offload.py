@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsdp_lite.core import collectives
+from fsdp_lite.core import devices
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.tree import units_of
 
@@ -54,7 +54,7 @@ class CPUOffload:
             raise TypeError(f"CPUOffload.pin_memory must be a bool, got {self.pin_memory!r}")
 
     def make_home(self, device: torch.device, rank: int) -> CPUHome:
-        return CPUHome(device, pin=self.pin_memory and device.type == "cuda")
+        return CPUHome(device, pin=self.pin_memory and devices.pins_host_memory(device))
 
 
 @dataclass(frozen=True)
@@ -88,13 +88,18 @@ class CPUHome(DeviceHome):
         super().__init__(device)
         self.pin = pin
         self._staged: list[tuple[FlatParam, torch.Tensor]] = []  # grads copying to host
+        self._uploads: dict[int, object] = {}  # id(flat) -> its last shard copy's event
 
     def place(self, flat: FlatParam) -> None:
         data = flat.shard.data.to("cpu")
         flat.shard.data = data.pin_memory() if self.pin else data
 
     def shard_for_gather(self, flat: FlatParam) -> torch.Tensor:
-        return flat.shard.detach().to(self.device, non_blocking=self.pin)
+        data, self._uploads[id(flat)] = devices.upload(flat.shard.detach(), self.device)
+        return data
+
+    def before_host_write(self, flat: FlatParam) -> None:
+        devices.wait(self._uploads.pop(id(flat), None))
 
     def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
         if self.device.type == "cpu":
@@ -106,7 +111,8 @@ class CPUHome(DeviceHome):
     def end_of_backward(self) -> None:
         # Also with nothing staged: the optimizer writes the host shards next, and
         # non-blocking host-to-device copies of them (gathers) may still be reading.
-        collectives.synchronize(self.device)
+        devices.synchronize(self.device)
+        self._uploads.clear()
         for flat, host in self._staged:
             super().accumulate_grad(flat, host)
         self._staged.clear()

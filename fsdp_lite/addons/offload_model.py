@@ -34,16 +34,13 @@ from torch.func import functional_call
 from fsdp_lite.addons.offload_slices import (
     KeptGraph,
     Resident,
-    RngState,
     Slice,
-    canonical,
     check_config,
-    get_rng,
     partition,
     pinned,
     rng_restored,
-    set_rng,
 )
+from fsdp_lite.core import devices
 
 _CPU = torch.device("cpu")
 _Grads = tuple[torch.Tensor | None, dict[int, torch.Tensor]]  # (input, id(master) -> param)
@@ -97,12 +94,12 @@ class OffloadModel(nn.Module):
     ) -> None:
         check_config(model, num_slices, num_microbatches)
         super().__init__()
-        self.device = canonical(device)
-        self.offload_device = canonical(offload_device)
+        self.device = devices.resolve(device)
+        self.offload_device = devices.resolve(offload_device)
         self.checkpoint_activation = checkpoint_activation
         self.num_microbatches = num_microbatches
         # Pinned host memory and non_blocking copies pay off between CPU and CUDA only.
-        self._pinned = self.device.type == "cuda" and self.offload_device.type == "cpu"
+        self._pinned = devices.pins_host_memory(self.device) and self.offload_device.type == "cpu"
         self._resident: set[int] = set()  # slices whose device copies exist (at most one)
         self._checked = False  # until a forward succeeds, failures restore buffers and RNG
         for name, layer in model._modules.items():
@@ -140,7 +137,7 @@ class OffloadModel(nn.Module):
                 else:
                     x, _ = self._run_slice(s, x, self.device)
             if self._pinned:  # the host may write the masters as soon as we return
-                torch.cuda.synchronize(self.device)
+                devices.synchronize(self.device)
         self._checked = True
         return x
 
@@ -195,7 +192,7 @@ class OffloadModel(nn.Module):
         x: torch.Tensor,
         home: torch.device,
         *,
-        rng: list[RngState] | None = None,
+        rng: list[devices.RngState] | None = None,
         keep: bool = False,
         input_grad: bool = False,
     ) -> tuple[torch.Tensor, KeptGraph | None]:
@@ -208,7 +205,7 @@ class OffloadModel(nn.Module):
         def outputs() -> Iterator[torch.Tensor]:
             for chunk in self._chunks(x):
                 if rng is not None:
-                    rng.append(get_rng(self.device))
+                    rng.append(devices.rng_state(self.device))
                 leaf, h = self._enter(chunk, input_grad)
                 out = self._call_layers(s, r, h)
                 if kept is not None:
@@ -301,7 +298,7 @@ class OffloadModel(nn.Module):
             k: self._copy(g, r.params[k][0].device, only_if_moving=True) for k, g in totals.items()
         }
         if self._pinned:  # AccumulateGrad reads the host copies as soon as we return
-            torch.cuda.synchronize(self.device)
+            devices.synchronize(self.device)
         return grad_x, moved
 
     def _chunks(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -347,16 +344,16 @@ class OffloadModel(nn.Module):
     @contextlib.contextmanager
     def _restored_on_error(self) -> Iterator[None]:
         """Put buffers and RNG state back if the body raises."""
-        buffers, rng = [(b, b.clone()) for b in self.buffers()], get_rng(self.device)
+        buffers, rng = [(b, b.clone()) for b in self.buffers()], devices.rng_state(self.device)
         try:
             yield
         except BaseException:
             if self._pinned:  # non-blocking copies may still read the pinned masters
-                torch.cuda.synchronize(self.device)
+                devices.synchronize(self.device)
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
-            set_rng(rng, self.device)
+            devices.set_rng_state(rng, self.device)
             raise
 
     def _apply(

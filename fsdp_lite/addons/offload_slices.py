@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-RngState = tuple[torch.Tensor, torch.Tensor | None]  # (CPU generator, device generator)
+from fsdp_lite.core import devices
 
 
 @dataclass(frozen=True)
@@ -80,30 +80,10 @@ def pinned(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_pinned() else t.pin_memory()
 
 
-def canonical(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def get_rng(device: torch.device) -> RngState:
-    """The CPU generator's state, and ``device``'s generator's when it has its own."""
-    if device.type == "cpu":
-        return torch.get_rng_state(), None
-    return torch.get_rng_state(), torch.get_device_module(device).get_rng_state(device)
-
-
-def set_rng(state: RngState, device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.get_device_module(device).set_rng_state(state[1], device)
-
-
 @contextlib.contextmanager
-def rng_restored(state: RngState, device: torch.device) -> Iterator[None]:
+def rng_restored(state: devices.RngState, device: torch.device) -> Iterator[None]:
     """Run the body from RNG state ``state``, leaving the generators as they were."""
-    devices = [] if device.type == "cpu" else [device]
-    with torch.random.fork_rng(devices=devices, device_type=device.type):
-        set_rng(state, device)
+    forked = [] if device.type == "cpu" else [device]
+    with torch.random.fork_rng(devices=forked, device_type=device.type):
+        devices.set_rng_state(state, device)
         yield

@@ -134,6 +134,8 @@ def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple, 
 def write_shard(shard: torch.Tensor, flat: FlatParam, values: dict[int, torch.Tensor]) -> None:
     """Copy this rank's part of each slot's full value (``values[slot index]``, any
     shape with the slot's numel) into the shard-shaped ``shard``; other slots keep theirs."""
+    if shard is flat.shard:
+        flat.home.before_host_write(flat)
     for i, lo, hi, at in shard_pieces(flat):
         if i in values:
             shard[at : at + hi - lo].copy_(values[i].reshape(-1)[lo:hi])

@@ -186,55 +186,6 @@ def world_size(group: ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
-def default_device(
-    device: torch.device | str | int | None, world_size: int | None = None
-) -> torch.device:
-    """The compute device of this rank.
-
-    The one given (``"cuda"`` without an index: the current CUDA device; an int n:
-    ``cuda:n``). Else, when CUDA is available: the current CUDA device when it is
-    unambiguous -- the user set one (torch cannot say whether ``torch.cuda.set_device``
-    was called, so a current device other than 0 counts as set), exactly one device is
-    visible, or ``world_size`` is 1 (default: the default process group's, 1 without
-    one) -- else ``cuda:LOCAL_RANK`` (torchrun; made the current device), else
-    ``RuntimeError``: guessing ``cuda:0`` would put every rank of a node on one GPU. CPU
-    without CUDA.
-    """
-    if device is not None:
-        device = (
-            torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-        )
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return device
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    current, visible = torch.cuda.current_device(), torch.cuda.device_count()
-    if world_size is None:
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-    if current != 0 or visible == 1 or world_size == 1:
-        return torch.device("cuda", current)
-    if "LOCAL_RANK" in os.environ:
-        # Made current too: object collectives, barriers and comm_device use the current
-        # device, which would otherwise be GPU 0 on every rank of the node.
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    raise RuntimeError(
-        f"fsdp_lite cannot tell which GPU this rank should use: {visible} GPUs are visible, "
-        f"the world size is {world_size}, the current CUDA device is 0 (torch's default, "
-        "maybe never set) and LOCAL_RANK is not set (launched without torchrun, e.g. by "
-        "srun?). Call torch.cuda.set_device(local_rank) before wrapping (under srun "
-        "local_rank = int(os.environ['SLURM_LOCALID'])), or pass device= to FSDPModule."
-    )
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait until the device has finished the work queued on its current stream."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 def comm_device(group: ProcessGroup, device: torch.device) -> torch.device:
     """Where a collective on ``group`` runs for a tensor on ``device``: that device if the
     group's backend takes it, else the backend's (NCCL takes CUDA tensors only: CPU-offloaded
@@ -389,10 +340,12 @@ def all_reduce(
     *,
     kind: str = "all_reduce",
     unit: str | None = None,
-) -> None:
-    """In-place all-reduce with ``op`` in {"sum", "max"}; counted under ``kind``."""
+    async_op: bool = False,
+) -> Handle | None:
+    """In-place all-reduce with ``op`` in {"sum", "max"}; counted under ``kind``. With
+    ``async_op``, the Handle to wait on (None where nothing was issued: world size 1)."""
     if world_size(group) == 1:
-        return
+        return None
     GUARD.before("all_reduce", unit, tensor, group)
     accounting.record_collective(kind, tensor, unit)
     device = comm_device(group, tensor.device)
@@ -400,7 +353,11 @@ def all_reduce(
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     with _peer_errors(kind, unit):
         work = dist.all_reduce(staged, op=reduce_op, group=group, async_op=True)
-    Handle(work, unit, device, group, _copy_back(tensor, staged)).wait()
+    handle = Handle(work, unit, device, group, _copy_back(tensor, staged))
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 def broadcast_from_first(tensor: torch.Tensor, groups: list[ProcessGroup | None]) -> None:

@@ -54,8 +54,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_lite.core import devices
+
 InitFn = Callable[[nn.Module], None]
-RngState = tuple[torch.Tensor, torch.Tensor | None]
 HFInit = tuple[nn.Module, InitFn]  # (module, the _init_weights of its nearest HF model)
 
 
@@ -81,24 +82,14 @@ def _has_own_meta(module: nn.Module) -> bool:
 class InitPlan:
     init_fn: InitFn | None
     device: torch.device
-    states: dict[int, RngState] = field(default_factory=dict)  # id(module) -> RNG before init
+    # id(module) -> the RNG state before its init
+    states: dict[int, devices.RngState] = field(default_factory=dict)
     owner: dict[int, int] = field(default_factory=dict)  # id(meta param) -> id(its module)
     where: dict[int, list[tuple[nn.Module, str]]] = field(default_factory=dict)  # registrations
     real: dict[int, nn.Parameter] = field(default_factory=dict)  # id(meta param) -> real one
     hf: dict[int, list[HFInit]] = field(default_factory=dict)  # id(module) -> _hf_chains
     rebuilt: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # non-persistent
     done: set[int] = field(default_factory=set)  # id(module) materialized (its state dropped)
-
-
-def _rng_state(device: torch.device) -> RngState:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: RngState, device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 def _hf_chains(root: nn.Module) -> dict[int, list[HFInit]]:
@@ -202,10 +193,10 @@ def _rebuild_buffers(module: nn.Module, plan: InitPlan, name: str) -> dict[str, 
         return {}
     chain = plan.hf.get(id(module))
     runs = []
-    own = _rng_state(plan.device)
+    own = devices.rng_state(plan.device)
     try:
         for fill in (0.0, 1.0):
-            _set_rng_state(own, plan.device)
+            devices.set_rng_state(own, plan.device)
             with _scratch(module, plan.device, fill=fill):
                 if chain:
                     _hf_init(module, chain)
@@ -213,7 +204,7 @@ def _rebuild_buffers(module: nn.Module, plan: InitPlan, name: str) -> dict[str, 
                     _initialize(module, plan, name)
                 runs.append({a: module._buffers[a] for a in attrs})
     finally:
-        _set_rng_state(own, plan.device)
+        devices.set_rng_state(own, plan.device)
     unset = [a for a in attrs if not torch.equal(runs[0][a], runs[1][a])]
     if unset:
         source = "its Hugging Face model's _init_weights" if chain else "its init"
@@ -238,21 +229,21 @@ def make_plan(
             if p is not None and p.is_meta:
                 plan.where.setdefault(id(p), []).append((module, attr))
                 plan.owner.setdefault(id(p), id(module))
-    own = _rng_state(device)
-    _set_rng_state(rank0_state(own), device)
+    own = devices.rng_state(device)
+    devices.set_rng_state(rank0_state(own), device)
     try:
         for name, module in root.named_modules():
             if _has_own_meta(module):
                 name = name or type(root).__name__
                 if rebuilt := _rebuild_buffers(module, plan, name):
                     plan.rebuilt[id(module)] = rebuilt
-                plan.states[id(module)] = _rng_state(device)
+                plan.states[id(module)] = devices.rng_state(device)
                 with _scratch(module, device, fill=_default_fill(plan)) as fresh:
                     _initialize(module, plan, name)
                     if init_fn is None:
                         _check_written(module, name, fresh)
     finally:
-        _set_rng_state(own, device)
+        devices.set_rng_state(own, device)
     return plan
 
 
@@ -311,8 +302,8 @@ def materialize(module: nn.Module, name: str, plan: InitPlan) -> None:
             "its outermost FSDPModule was created"
         )
     plan.done.add(id(module))
-    own = _rng_state(plan.device)
-    _set_rng_state(state, plan.device)
+    own = devices.rng_state(plan.device)
+    devices.set_rng_state(state, plan.device)
     try:
         owned = {
             id(p): p
@@ -335,7 +326,7 @@ def materialize(module: nn.Module, name: str, plan: InitPlan) -> None:
             if b is not None and b.is_meta:
                 module._buffers[attr] = buffers[attr]
     finally:
-        _set_rng_state(own, plan.device)
+        devices.set_rng_state(own, plan.device)
 
 
 def _link_tied(module: nn.Module, plan: InitPlan) -> None:

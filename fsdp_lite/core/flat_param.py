@@ -305,6 +305,7 @@ class FlatParam:
         """Overwrite this rank's shard from an unpadded full flat tensor (no communication)."""
         start = self.rank * self.shard_numel
         piece = flat[start : min(start + self.shard_numel, self.numel)]
+        self.home.before_host_write(self)
         with torch.no_grad():
             self.shard.zero_()
             self.shard[: piece.numel()].copy_(piece)
@@ -437,7 +438,9 @@ def master_dtype(dtype: torch.dtype) -> torch.dtype:
 @dataclass
 class PendingGrad:
     """A reduce-scatter in flight (one or more collectives); ``finish`` adds its result to
-    the shard's fp32 grad.
+    the shard's fp32 grad. With hybrid sharding, ``replicate`` starts the all-reduce of
+    the result across replicas as soon as the reduce-scatter is waited for (the next
+    unit's post-backward), in reduce-scatter order, the same on every rank.
 
     The full-size input is not referenced here: the process group keeps what the
     collective needs alive until it completes (gloo reduces a copy of its own, NCCL
@@ -449,22 +452,39 @@ class PendingGrad:
     works: list[collectives.Handle]
     out: torch.Tensor  # (shard_numel,) in reduce dtype
     divide_by: float  # what the result is still to be divided by (1: the input was)
+    replicated: collectives.Handle | None = None  # the replicate all-reduce in flight
+    replicating: bool = False
 
     @property
     def waited(self) -> bool:
+        """Has the reduce-scatter been waited for (its full-size input released)?"""
         return all(work.waited for work in self.works)
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
 
-    def finish(self) -> None:
+    def replicate(self) -> None:
+        """Wait for the reduce-scatter, then (hybrid sharding) start the replicate
+        all-reduce of its result. On NCCL neither blocks the host: the wait orders the
+        current stream after the reduce-scatter."""
         self.wait()
+        flat = self.flat
+        if flat.replicate_group is None or self.replicating:
+            return
+        self.replicating = True
         if self.divide_by != 1:
             self.out.div_(self.divide_by)
-        flat = self.flat
-        if flat.replicate_group is not None:
-            collectives.all_reduce(
-                self.out, flat.replicate_group, kind="replicate_all_reduce", unit=flat.unit_name
-            )
-        flat.home.accumulate_grad(flat, self.out)
+            self.divide_by = 1
+        self.replicated = collectives.all_reduce(
+            self.out, flat.replicate_group, kind="replicate_all_reduce", unit=flat.unit_name,
+            async_op=True,
+        )  # fmt: skip
+
+    def finish(self) -> None:
+        self.replicate()
+        if self.replicated is not None:
+            self.replicated.wait()
+        if self.divide_by != 1:
+            self.out.div_(self.divide_by)
+        self.flat.home.accumulate_grad(self.flat, self.out)

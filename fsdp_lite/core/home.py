@@ -38,5 +38,9 @@ class DeviceHome:
     def end_of_backward(self) -> None:
         pass
 
+    def before_host_write(self, flat: FlatParam) -> None:
+        """The host is about to write ``flat``'s shard (a load, a summon writeback): no
+        copy of it may still be reading it."""
+
     def release(self) -> None:
         """After the optimizer step: nothing needs to stay resident."""

@@ -186,11 +186,12 @@ def wait_previous_reduce_scatter(ctx: RootContext) -> None:
     """Before a unit issues its reduce-scatter: wait for the one before it, so at most one
     is in flight. Until waited for, each holds memory the size of its full gradient
     (gloo's copy; NCCL's stashed input); the previous one had this unit's whole backward
-    to finish. Only a local wait: results reach the shard grads at the end of backward,
-    in issue order, so the ranks' collectives (the hybrid replicate all-reduce) keep the
-    same order whatever the timing."""
+    to finish. With hybrid sharding its replicate all-reduce starts then, overlapping this
+    unit's backward instead of waiting for the end of backward. Results reach the shard
+    grads at the end of backward, in issue order; every rank issues the same collectives
+    in the same order whatever the timing."""
     if ctx.pending:
-        ctx.pending[-1].wait()  # every earlier one was waited for the same way
+        ctx.pending[-1].replicate()  # every earlier one was waited for the same way
 
 
 def finish_backward(ctx: RootContext) -> None:

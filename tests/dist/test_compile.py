@@ -25,11 +25,11 @@ from torch._dynamo.utils import counters
 
 import fsdp_lite
 from fsdp_lite.addons.compile import is_compiled
+from fsdp_lite.core.tree import units_of
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.models import MLP, Block
 from fsdp_lite.testing.reference import Run, compare_training
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
-from fsdp_lite.core.tree import units_of
 
 STEPS = 5
 
@@ -86,14 +86,19 @@ def _llama_case(world: int) -> None:
 
 
 def _misuse_case(world: int) -> None:
-    """Compiling after wrapping is refused; a unit inside a compiled block is named at the
-    first forward (its hooks cannot be traced), before any of its collectives."""
+    """Compiling after wrapping is refused, and so is a mode that captures CUDA graphs; a
+    unit inside a compiled block is named at the first forward (its hooks cannot be
+    traced), before any of its collectives."""
     model = fsdp_lite.FSDPModule(gpt(), auto_wrap_policy=fsdp_lite.wrap.by_type(Block))
     wrapped = r"the model already holds an FSDPModule unit \(the model itself\); compile the"
     with pytest.raises(ValueError, match=wrapped + " blocks before wrapping the model"):
         fsdp_lite.compile_blocks(model, Block)
     with pytest.raises(ValueError, match="picks no module of GPT"):
         fsdp_lite.compile_blocks(gpt(), torch.nn.Conv2d)
+    for graphs in ({"mode": "reduce-overhead"}, {"mode": "max-autotune"},
+                   {"options": {"triton.cudagraphs": True}}):  # fmt: skip
+        with pytest.raises(ValueError, match="captures CUDA graphs"):
+            fsdp_lite.compile_blocks(gpt(), Block, **graphs)
     inner = gpt()
     fsdp_lite.compile_blocks(inner, Block, backend="eager")
     with pytest.raises(ValueError, match="compiled already"):

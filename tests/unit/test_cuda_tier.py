@@ -55,3 +55,19 @@ def test_cpu_offload_shards_are_pinned_and_state_dict_is_on_cpu(world1) -> None:
     model(x, y)[1].backward()
     assert all(p.grad is not None and p.grad.device.type == "cpu" for p in shards)
     assert all(v.device.type == "cpu" for v in model.state_dict().values())
+
+
+def test_load_after_an_eval_forward_with_cpu_offload(world1) -> None:
+    """A forward with no backward leaves shard uploads unsynchronized; loading a state
+    dict writes the host shards right after, and must wait for them (before_host_write)."""
+    torch.manual_seed(0)
+    model = _wrap(GPT(GPTConfig()), offload=fsdp_lite.CPUOffload())
+    other = GPT(GPTConfig())
+    x, _ = (t.cuda() for t in _batch(0))
+    for _ in range(3):
+        with torch.no_grad():
+            model(x)
+        model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        got, want = model(x)[0], other.cuda()(x)[0]
+    torch.testing.assert_close(got, want)

@@ -1,4 +1,4 @@
-"""``collectives.default_device`` picks the device the user meant, or says it cannot tell.
+"""``devices.default_device`` picks the device the user meant, or says it cannot tell.
 
 CUDA is faked on this CPU machine: ``torch.cuda.is_available``, ``current_device`` and
 ``device_count`` and the ``LOCAL_RANK`` variable are patched per test (pytest's
@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from fsdp_lite.core.collectives import default_device
+from fsdp_lite.core.devices import default_device
 
 
 @pytest.fixture

@@ -1,0 +1,115 @@
+"""The device layer: which device a rank computes on, and what differs between device
+types -- pinned host memory and asynchronous copies, synchronizing, random generators.
+Code outside the communication layer asks here instead of testing ``device.type``."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+# (CPU generator state, the device generator's state or None)
+RngState = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def resolve(device: torch.device | str | int) -> torch.device:
+    """``device`` with its index: ``"cuda"`` alone is the current CUDA device; an int n,
+    ``cuda:n``."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def default_device(
+    device: torch.device | str | int | None, world_size: int | None = None
+) -> torch.device:
+    """The compute device of this rank.
+
+    The one given (``"cuda"`` without an index: the current CUDA device; an int n:
+    ``cuda:n``). Else, when CUDA is available: the current CUDA device when it is
+    unambiguous -- the user set one (torch cannot say whether ``torch.cuda.set_device``
+    was called, so a current device other than 0 counts as set), exactly one device is
+    visible, or ``world_size`` is 1 (default: the default process group's, 1 without
+    one) -- else ``cuda:LOCAL_RANK`` (torchrun; made the current device), else
+    ``RuntimeError``: guessing ``cuda:0`` would put every rank of a node on one GPU. CPU
+    without CUDA.
+    """
+    if device is not None:
+        return resolve(device)
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    current, visible = torch.cuda.current_device(), torch.cuda.device_count()
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if current != 0 or visible == 1 or world_size == 1:
+        return torch.device("cuda", current)
+    if "LOCAL_RANK" in os.environ:
+        # Made current too: object collectives, barriers and comm_device use the current
+        # device, which would otherwise be GPU 0 on every rank of the node.
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    raise RuntimeError(
+        f"fsdp_lite cannot tell which GPU this rank should use: {visible} GPUs are visible, "
+        f"the world size is {world_size}, the current CUDA device is 0 (torch's default, "
+        "maybe never set) and LOCAL_RANK is not set (launched without torchrun, e.g. by "
+        "srun?). Call torch.cuda.set_device(local_rank) before wrapping (under srun "
+        "local_rank = int(os.environ['SLURM_LOCALID'])), or pass device= to FSDPModule."
+    )
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the device has finished the work queued on its current stream."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def pins_host_memory(device: torch.device) -> bool:
+    """Are host buffers copied to and from ``device`` pinned, and those copies
+    asynchronous? (CUDA: yes; between CPU tensors there is nothing to overlap.)"""
+    return device.type == "cuda"
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object | None]:
+    """``host`` copied to ``device``, and what :func:`wait` takes before ``host`` may be
+    written again. From pinned memory to CUDA the copy runs on a side stream, so it
+    overlaps the compute queued before it; the current stream waits for it before its
+    next op, and the copy's memory stays reserved until the current stream is past it.
+    Elsewhere a plain copy (None to wait for)."""
+    if not (pins_host_memory(device) and host.is_pinned()):
+        return host.to(device), None
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    current = torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):
+        out = host.to(device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    current.wait_stream(stream)
+    out.record_stream(current)
+    return out, done
+
+
+def wait(event: object | None) -> None:
+    """Block the host until an :func:`upload` has read its source."""
+    if event is not None:
+        event.synchronize()
+
+
+def rng_state(device: torch.device) -> RngState:
+    """The CPU generator's state, and ``device``'s generator's when it has its own."""
+    if device.type == "cpu":
+        return torch.get_rng_state(), None
+    return torch.get_rng_state(), torch.get_device_module(device).get_rng_state(device)
+
+
+def set_rng_state(state: RngState, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.get_device_module(device).set_rng_state(state[1], device)
