@@ -225,27 +225,30 @@ def part_tier(ctx: _Context) -> None:
                 print(f"INFO {line[:300]}", flush=True)
 
 
-def _init_one_rank(ctx: _Context, tmp: str) -> None:
+@contextlib.contextmanager
+def _one_rank(ctx: _Context):
+    """A one-rank process group of the part's backend (NCCL on CUDA) around the body, and
+    a scratch directory, yielded."""
+    import torch
     import torch.distributed as dist
 
-    if ctx.cuda:
-        import torch
-
-        torch.cuda.set_device(0)
-    dist.init_process_group(ctx.backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        if ctx.cuda:
+            torch.cuda.set_device(0)
+        dist.init_process_group(ctx.backend, init_method=f"file://{tmp}/store", rank=0,
+                                world_size=1)  # fmt: skip
+        try:
+            yield tmp
+        finally:
+            dist.destroy_process_group()
 
 
 def part_w1(ctx: _Context) -> None:
-    import torch.distributed as dist
     from gpu_check_cases import w1_checks
 
-    with tempfile.TemporaryDirectory() as tmp:
-        _init_one_rank(ctx, tmp)
-        try:
-            for name, fn in w1_checks(ctx.device, tmp):
-                _checked(f"W=1 {ctx.backend} {name}", fn)
-        finally:
-            dist.destroy_process_group()
+    with _one_rank(ctx) as tmp:
+        for name, fn in w1_checks(ctx.device, tmp):
+            _checked(f"W=1 {ctx.backend} {name}", fn)
 
 
 def part_w2(ctx: _Context) -> None:
@@ -271,44 +274,29 @@ def part_fake8(ctx: _Context) -> None:
 
 
 def part_syncs(ctx: _Context) -> None:
-    import torch.distributed as dist
     from gpu_check_cases import steady_state_syncs
 
     if not ctx.cuda:
         print("SKIP host syncs: no CUDA device (set_sync_debug_mode is CUDA's)", flush=True)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        _init_one_rank(ctx, tmp)
-        try:
-            _checked("host syncs in the steady-state step = 0", steady_state_syncs, ctx.device)
-        finally:
-            dist.destroy_process_group()
+    with _one_rank(ctx):
+        _checked("host syncs in the steady-state step = 0", steady_state_syncs, ctx.device)
 
 
 def part_bench(ctx: _Context) -> None:
-    import torch.distributed as dist
     from gpu_check_cases import llama_bench
 
-    with tempfile.TemporaryDirectory() as tmp:
-        _init_one_rank(ctx, tmp)
-        try:
-            for line in llama_bench(ctx.device, dry=ctx.dry, peaks=BF16_PEAK):
-                print(line, flush=True)
-        finally:
-            dist.destroy_process_group()
+    with _one_rank(ctx):
+        for line in llama_bench(ctx.device, dry=ctx.dry, peaks=BF16_PEAK):
+            print(line, flush=True)
 
 
 def part_compile(ctx: _Context) -> None:
-    import torch.distributed as dist
     from gpu_check_cases import compile_bench
 
-    with tempfile.TemporaryDirectory() as tmp:
-        _init_one_rank(ctx, tmp)
-        try:
-            for line in compile_bench(ctx.device, dry=ctx.dry):
-                print(line, flush=True)
-        finally:
-            dist.destroy_process_group()
+    with _one_rank(ctx):
+        for line in compile_bench(ctx.device, dry=ctx.dry):
+            print(line, flush=True)
 
 
 if __name__ == "__main__":
