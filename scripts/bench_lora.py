@@ -16,7 +16,7 @@ median over rounds, the larger of the ranks'. Per mode:
   between forward and backward).
 
 A frozen flat param gets no gradient, so no post-backward hook frees it; fsdp_lite frees
-it once its unit's backward is over (see ``fsdp_lite/unit.py``). Before that, the LoRA run
+it once its unit's backward is over (see ``fsdp_lite/core/unit.py``). Before that, the LoRA run
 held every layer's base until the end of backward (9 of 9 units, 3.2x the full run's
 gathered bytes); now both hold the same 3 units.
 """

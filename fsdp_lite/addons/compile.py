@@ -47,7 +47,7 @@ def compile_blocks(
 
     Call before ``FSDPModule``: ``compile_blocks(model, Block)`` then
     ``FSDPModule(model, auto_wrap_policy=wrap.by_type(Block))``. fsdp_lite's hooks then run
-    eagerly around each compiled block (see the Note in ``fsdp_lite/compile.py``).
+    eagerly around each compiled block (see the Note in ``fsdp_lite/addons/compile.py``).
 
     Args:
         model: the unwrapped model (compiled in place; a picked ``model`` itself too).

@@ -2,7 +2,7 @@
 parameters after forward, and which units a unit's gather prefetches.
 
 Plain functions of plain facts, so the step (``unit.py``, ``runtime.py``) and the memory
-planner's replay (``planner_replay.py``) call the same code instead of each holding a copy
+planner's replay (``addons/planner/replay.py``) call the same code instead of each holding a copy
 that a change to the step would have to update twice.
 """
 

@@ -22,7 +22,7 @@ Each term is one named line of the breakdown, each following one place of the co
 - ``gradients``: the reduce-scatter outputs (shard-sized, reduce dtype) waiting in
   ``RootContext.pending`` for the end of backward, then the fp32 shard grads they become
   (``PendingGrad.finish``; a copy where the reduce dtype is not the master dtype).
-- ``activations``, ``backward_temporaries``: (traced) see ``planner_trace.py``.
+- ``activations``, ``backward_temporaries``: (traced) see ``addons/planner/trace.py``.
 - ``optimizer_temporaries``: what the optimizer step allocates: AdamW's ``denom`` (a square
   root and a quotient per shard, while the previous shard's ``denom`` is still held) or,
   with ``foreach`` (the default on CUDA), one square root per shard element at once.

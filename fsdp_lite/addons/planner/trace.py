@@ -27,7 +27,7 @@ What the trace counts, by category:
 
 The full buffers themselves, the buffers, and everything that lives outside the autograd
 graph (shards, shard grads, optimizer state, communication buffers) are left to the replay
-of fsdp_lite's step (``planner_replay.py``).
+of fsdp_lite's step (``addons/planner/replay.py``).
 """
 
 from __future__ import annotations
