@@ -6,12 +6,12 @@ exists) for a model, a micro-batch and FSDP settings, without allocating the mod
 meta-device model works). ``plan`` searches the settings that trade speed for memory and
 returns the fastest that fits a budget.
 
-How: ``planner_layout`` works out the units and flat params wrapping would build;
-``planner_trace`` runs forward and backward once on fake tensors and records when each
-activation and gradient storage is live; ``planner_replay`` replays fsdp_lite's step over
+How: ``layout`` works out the units and flat params wrapping would build;
+``trace`` runs forward and backward once on fake tensors and records when each
+activation and gradient storage is live; ``replay`` replays fsdp_lite's step over
 that trace (gathers, prefetches, reshards, reduce-scatters, shard grads, optimizer) and
 takes the highest point. The breakdown of ``MemoryEstimate`` is the state at that point,
-one named term per line (``planner_replay`` documents each), summing to ``peak_bytes``.
+one named term per line (``replay`` documents each), summing to ``peak_bytes``.
 
 What ``peak_bytes`` means: bytes of tensors live on the compute device, what
 ``torch.cuda.max_memory_allocated`` reports on a GPU (the caching allocator's reserve and
@@ -20,7 +20,7 @@ lives in that same memory and is included (CPU offload then saves nothing there)
 with CPU offload it is reported apart, as ``host_bytes``.
 
 Not modelled: workspaces a kernel allocates for itself (oneDNN's for bf16 matmuls on CPU,
-cuBLAS's; the one exception is the operand copy of a matmul, see ``planner_storage``), the
+cuBLAS's; the one exception is the operand copy of a matmul, see ``storage``), the
 process group's own buffers beyond the reduce-scatter's (gloo gathers into a temporary
 buffer on its thread), and garbage awaiting Python's cycle collector. The step assumed is
 ``loss_fn(model(*inputs)).backward(); optimizer.step(); optimizer.zero_grad()``, with the

@@ -1,5 +1,5 @@
 """Trace one training step of the unwrapped model on fake parameters: when each storage the
-step allocates is live (``planner_storage``), and where each unit's forward and backward
+step allocates is live (``storage``), and where each unit's forward and backward
 begin and end.
 
 The model is not allocated: its parameters and buffers are ``FakeTensor``s on the compute
