@@ -44,7 +44,8 @@ def by_size(min_num_params: int) -> Policy:
 def instances(*modules: nn.Module) -> Policy:
     """Wrap exactly these module objects, e.g. ``instances(model.wte, model.lm_head)``:
     the embedding and the head as units of their own keep the root small (torchtitan's
-    layout). A module whose only parameters are tied to another unit's gets no unit."""
+    layout). A module whose every parameter is tied to one outside it gets no unit: the
+    lowest unit containing every use holds the shared weight."""
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError(f"wrap.instances needs nn.Module objects, got {modules!r}")
     ids = {id(m) for m in modules}
@@ -147,6 +148,24 @@ def param_locations(module: nn.Module) -> dict[int, list[str]]:
     return where
 
 
+def deferred_ties(
+    child: nn.Module, paths: list[str], locations: dict[int, list[str]]
+) -> set[int] | None:
+    """Ids of the parameters of ``child`` (registered at ``paths``) also registered outside
+    it: ties, left for the lowest enclosing unit that contains every use. None where every
+    parameter it holds is such a tie: it gets no unit (it would own nothing)."""
+    prefixes = [p + "." for p in paths]
+    held = [p for _, _, p in unowned_parameters(child)]
+    defer = {
+        id(p)
+        for p in held
+        if any(
+            not any(loc.startswith(pre) for pre in prefixes) for loc in locations.get(id(p), [])
+        )
+    }
+    return None if held and len(defer) == len({id(p) for p in held}) else defer
+
+
 def apply_policy(root: nn.Module, policy: Policy, make_unit: Callable) -> None:
     """Replace, bottom-up, each submodule the policy picks by ``make_unit(sub, defer)``.
 
@@ -184,14 +203,8 @@ def _visit(walk: _Walk, module: nn.Module, path: str) -> None:
         _visit(walk, child, child_path + ".")
         if isinstance(child, nn.ModuleList | nn.ModuleDict) or not walk.policy(child):
             continue  # containers have no forward of their own: never units
-        prefixes = [p + "." for p in walk.paths.get(id(child), [child_path])]
-        defer = {
-            id(p)
-            for _, _, p in unowned_parameters(child)
-            if any(
-                not any(loc.startswith(pre) for pre in prefixes)
-                for loc in walk.locations.get(id(p), [])
-            )
-        }
+        defer = deferred_ties(child, walk.paths.get(id(child), [child_path]), walk.locations)
+        if defer is None:
+            continue
         made[id(child)] = walk.make_unit(child, defer)
         setattr(module, name, made[id(child)])

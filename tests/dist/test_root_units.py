@@ -32,7 +32,7 @@ from fsdp_lite.testing import GPT, GPTConfig, run_distributed
 from fsdp_lite.testing.models import Block
 from fsdp_lite.testing.reference import compare_training
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
-from fsdp_lite.core.tree import unit_of, unwrap
+from fsdp_lite.core.tree import unit_of, units_of, unwrap
 
 
 def _wrap_ends(blocks, model: nn.Module, mixed_precision=None) -> FSDPModule:
@@ -194,3 +194,12 @@ def test_instances_picks_exactly_the_named_modules() -> None:
     assert picked == ["wte", "lm_head"]
     tied = gpt()
     assert not [m for m in tied.modules() if wrap.embeddings_and_head(tied)(m)]
+
+
+def test_a_module_holding_only_a_tie_gets_no_unit(world1) -> None:
+    model = gpt()  # lm_head.weight is wte.weight
+    wrapped = FSDPModule(model, auto_wrap_policy=wrap.instances(model.lm_head, model.wte))
+    assert len(units_of(wrapped)) == 1  # the root alone: both ends hold only the tie
+    x = torch.randint(0, 64, (2, 16))
+    wrapped(x, x)[1].backward()
+    assert all(p.grad is not None for p in wrapped.parameters())

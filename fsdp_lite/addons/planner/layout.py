@@ -23,7 +23,7 @@ from torch import nn
 from fsdp_lite.core.api import MixedPrecision
 from fsdp_lite.core.flat_param import master_dtype
 from fsdp_lite.core.tree import unit_of
-from fsdp_lite.core.wrap import Policy, param_locations, unowned_parameters
+from fsdp_lite.core.wrap import Policy, deferred_ties, param_locations, unowned_parameters
 
 Location = tuple[nn.Module, str]
 
@@ -140,15 +140,9 @@ def _pick_units(root: nn.Module, policy: Policy) -> Iterator[tuple[nn.Module, se
             yield from visit(child, child_path + ".")
             if isinstance(child, nn.ModuleList | nn.ModuleDict) or not policy(child):
                 continue
-            prefixes = [p + "." for p in paths.get(id(child), [child_path])]
-            defer = {
-                id(p)
-                for _, _, p in unowned_parameters(child)
-                if any(
-                    not any(loc.startswith(pre) for pre in prefixes)
-                    for loc in locations.get(id(p), [])
-                )
-            }
+            defer = deferred_ties(child, paths.get(id(child), [child_path]), locations)
+            if defer is None:
+                continue
             made.add(id(child))
             yield child, defer
 
