@@ -165,6 +165,21 @@ def resolve_groups(
     return resolve_group(group), None
 
 
+def separate_group(group: ProcessGroup) -> ProcessGroup:
+    """A second process group over ``group``'s ranks (one per rank set, cached), for the
+    reduce-scatters: one NCCL communicator runs one collective at a time, whatever the
+    streams, so a backward prefetch's all-gather would queue behind the previous unit's
+    reduce-scatter. Collective over ``group``'s members only (local synchronization)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    twin = _SEPARATE.get(ranks)
+    if twin is None:
+        twin = _SEPARATE[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return twin
+
+
+_SEPARATE: dict[tuple[int, ...], ProcessGroup] = {}  # shard ranks -> their reduce-scatter group
+
+
 def hybrid_groups(shard_size: int) -> tuple[ProcessGroup, ProcessGroup]:
     """This rank's (shard group, replicate group) for hybrid sharding: shard within blocks of
     ``shard_size`` consecutive ranks (a node), replicate across blocks. Call on every rank."""

@@ -121,6 +121,9 @@ class FlatParam:
     ) -> None:
         self.slots = slots
         self.group = group
+        # Where gradients are reduce-scattered: ``group``, or a second group over the same
+        # ranks (FSDPModule.set_separate_reduce_scatter_group).
+        self.reduce_group = group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
         # Hybrid sharding: shard grads are averaged over this group after the reduce-scatter.
@@ -353,7 +356,9 @@ class FlatParam:
             if pre != 1:
                 grad.div_(pre)
             out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
-            work = collectives.reduce_scatter_flat(out, grad, self.group, unit=self.unit_name)
+            work = collectives.reduce_scatter_flat(
+                out, grad, self.reduce_group, unit=self.unit_name
+            )
         return PendingGrad(self, [work], out, ranks / pre)
 
     def _reduce_widened(
@@ -373,7 +378,7 @@ class FlatParam:
             wide.copy_(columns[:, lo:hi])
             works.append(
                 collectives.reduce_scatter_flat(
-                    out[lo:hi], wide.view(-1), self.group, unit=self.unit_name
+                    out[lo:hi], wide.view(-1), self.reduce_group, unit=self.unit_name
                 )
             )
         return works
