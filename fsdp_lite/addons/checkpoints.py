@@ -110,9 +110,9 @@ def _whole(flat: FlatParam, i: int, src: torch.Tensor) -> torch.Tensor:
     slot = flat.slots[i]
     value = torch.zeros(slot.numel, dtype=src.dtype, device=src.device)
     if slot.numel:
-        owner = slot.offset // flat.shard_numel
+        owner = flat.owner(slot.offset)
         if owner == flat.rank:
-            start = slot.offset - owner * flat.shard_numel
+            start = slot.offset - flat.rank_range()[0]
             value.copy_(src[start : start + slot.numel])
         collectives.broadcast(value, flat.group, src_rank=owner)
     return value.view(slot.shape)

@@ -90,9 +90,7 @@ def shard_pieces(flat: FlatParam, rank: int | None = None) -> Iterator[tuple[int
     Worked example, W=2, slots a (6 elements) and b (3), shard_numel 5: rank 0 holds
     ``(0, 0, 5, 0)``; rank 1 holds ``(0, 5, 6, 0)`` and ``(1, 0, 3, 1)``, then 1 padding.
     """
-    rank = flat.rank if rank is None else rank
-    start = rank * flat.shard_numel
-    end = start + flat.shard_numel
+    start, end = flat.rank_range(rank)
     for i, slot in enumerate(flat.slots):
         lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
         if lo < hi:

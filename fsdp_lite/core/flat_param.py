@@ -304,10 +304,20 @@ class FlatParam:
             ]
         self._install(self.placeholders)
 
+    def rank_range(self, rank: int | None = None) -> tuple[int, int]:
+        """``[start, end)``: the elements of the padded flat param that ``rank`` (default:
+        this rank) keeps in its shard."""
+        rank = self.rank if rank is None else rank
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def owner(self, offset: int) -> int:
+        """The rank whose shard holds element ``offset`` of the flat param."""
+        return offset // self.shard_numel
+
     def load_full(self, flat: torch.Tensor) -> None:
         """Overwrite this rank's shard from an unpadded full flat tensor (no communication)."""
-        start = self.rank * self.shard_numel
-        piece = flat[start : min(start + self.shard_numel, self.numel)]
+        start, end = self.rank_range()
+        piece = flat[start : min(end, self.numel)]
         self.home.before_host_write(self)
         with torch.no_grad():
             self.shard.zero_()
@@ -418,7 +428,7 @@ def _build_shard(
     """This rank's slice of the padded flat param, in the master dtype. Without ``sync`` it
     is copied straight from the originals, so no full-size flat buffer is ever allocated."""
     dtype = master_dtype(originals[0].dtype)
-    start, end = flat.rank * flat.shard_numel, (flat.rank + 1) * flat.shard_numel
+    start, end = flat.rank_range()
     if sync:  # sync_module_states: every rank starts from rank 0's values
         full = torch.zeros(flat.padded_numel, dtype=dtype, device=device)
         for slot, p in zip(flat.slots, originals, strict=True):

@@ -64,7 +64,8 @@ def test_policy_keeps_tie_in_common_ancestor(world1) -> None:
     model = fsdp_lite.FSDPModule(gpt, auto_wrap_policy=policy)
     root_slots = {s.name: s for f in model._unit.flat_params for s in f.slots}
     assert len(root_slots["wte.weight"].locations) == 2  # wte.weight and lm_head.weight
-    assert unit_of(model.module.wte).flat_params == []  # the embedding unit owns nothing
+    assert unit_of(model.module.wte) is None  # it holds only the tie: no (empty) unit
+    assert unit_of(model.module.wpe) is not None  # the untied position embedding has one
 
 
 def test_wrong_state_names_unit_and_states(world1) -> None:
