@@ -159,9 +159,7 @@ def deferred_ties(
     defer = {
         id(p)
         for p in held
-        if any(
-            not any(loc.startswith(pre) for pre in prefixes) for loc in locations.get(id(p), [])
-        )
+        if any(not any(loc.startswith(pre) for pre in prefixes) for loc in locations.get(id(p), []))
     }
     return None if held and len(defer) == len({id(p) for p in held}) else defer
 
