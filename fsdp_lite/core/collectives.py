@@ -233,6 +233,24 @@ def _copy_back(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None] | Non
     return None if src is dst else lambda: dst.copy_(src)
 
 
+def _begin(
+    op: str,
+    unit: str | None,
+    tensor: torch.Tensor,
+    group: ProcessGroup,
+    near: torch.device,
+    kind: str | None = None,
+) -> torch.device | None:
+    """Before each collective: None at world size 1 (nothing to communicate); else the
+    divergence check and the accounting (under ``kind``, default ``op``) have run, and the
+    device the collective runs on for data near ``near`` is returned."""
+    if world_size(group) == 1:
+        return None
+    GUARD.before(op, unit, tensor, group)
+    accounting.record_collective(kind or op, tensor, unit)
+    return comm_device(group, near)
+
+
 def all_gather_flat(
     output: torch.Tensor,
     shard: torch.Tensor,
@@ -246,12 +264,10 @@ def all_gather_flat(
     With ``async_op`` the result is valid only after the returned handle's ``wait()``;
     keep ``shard`` alive until then.
     """
-    if world_size(group) == 1:
+    device = _begin("all_gather", unit, output, group, output.device)
+    if device is None:
         output.copy_(shard)
         return Handle(None, unit, output.device)
-    GUARD.before("all_gather", unit, output, group)
-    accounting.record_collective("all_gather", output, unit)
-    device = comm_device(group, output.device)
     out = output if output.device == device else torch.empty_like(output, device=device)
     staged = _staged(shard, device)
     with _peer_errors("all_gather", unit):
@@ -330,12 +346,10 @@ def reduce_scatter_flat(
     moment after completing it, and were its the last, the memory would be freed there,
     at a point that depends on thread timing.
     """
-    if world_size(group) == 1:
+    device = _begin("reduce_scatter", unit, full, group, output.device)
+    if device is None:
         output.copy_(full)
         return Handle(None, unit, output.device)
-    GUARD.before("reduce_scatter", unit, full, group)
-    accounting.record_collective("reduce_scatter", full, unit)
-    device = comm_device(group, output.device)
     staged = _staged(full, device)
     if _on_gloo(group, device):
         with _peer_errors("reduce_scatter", unit):
@@ -359,11 +373,9 @@ def all_reduce(
 ) -> Handle | None:
     """In-place all-reduce with ``op`` in {"sum", "max"}; counted under ``kind``. With
     ``async_op``, the Handle to wait on (None where nothing was issued: world size 1)."""
-    if world_size(group) == 1:
+    device = _begin("all_reduce", unit, tensor, group, tensor.device, kind)
+    if device is None:
         return None
-    GUARD.before("all_reduce", unit, tensor, group)
-    accounting.record_collective(kind, tensor, unit)
-    device = comm_device(group, tensor.device)
     staged = _staged(tensor, device)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     with _peer_errors(kind, unit):
@@ -385,11 +397,9 @@ def broadcast_from_first(tensor: torch.Tensor, groups: list[ProcessGroup | None]
 
 def broadcast(tensor: torch.Tensor, group: ProcessGroup, src_rank: int = 0) -> None:
     """In-place broadcast from the group's rank ``src_rank``."""
-    if world_size(group) == 1:
+    device = _begin("broadcast", None, tensor, group, tensor.device)
+    if device is None:
         return
-    GUARD.before("broadcast", None, tensor, group)
-    accounting.record_collective("broadcast", tensor, None)
-    device = comm_device(group, tensor.device)
     staged = _staged(tensor, device)
     src = dist.get_global_rank(group, src_rank)
     with _peer_errors("broadcast", None):
