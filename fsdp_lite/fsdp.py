@@ -17,7 +17,7 @@ from torch import nn
 from fsdp_lite.addons import state_dict as _state_dict
 from fsdp_lite.addons.grad_scaler import install_stock_scaler_check
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
-from fsdp_lite.core import collectives, deferred_init, devices, runtime
+from fsdp_lite.core import collectives, deferred_init, devices, ownership, runtime
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.grads import nonfinite_units, total_norm
 from fsdp_lite.core.home import DeviceHome
@@ -30,7 +30,7 @@ from fsdp_lite.core.unit_init import (
     install_fp32_modules,
     prepare_buffers,
 )
-from fsdp_lite.core.wrap import Policy, apply_policy
+from fsdp_lite.core.wrap import Policy, apply_policy, unowned_parameters
 
 DEFAULT_PREFETCH = PrefetchPolicy()
 
@@ -95,8 +95,11 @@ class FSDPModule(nn.Module):
         offload: CPUOffload | SSDOffload | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         *,
+        use_orig_params: bool = False,
+        whole_params: bool = False,
         _defer_params: frozenset[int] = frozenset(),
         _init_plan: deferred_init.InitPlan | None = None,
+        _owners: dict[int, int] | None = None,
     ) -> None:
         check_wrappable(module, mixed_precision, prefetch, offload)
         collectives.require_initialized()
@@ -123,6 +126,9 @@ class FSDPModule(nn.Module):
         self.__dict__[UNIT_ATTR] = unit
         if _init_plan is None and deferred_init.has_meta_tensors(module):
             _init_plan = self._plan_deferred_init(module, param_init_fn)
+        if whole_params and _owners is None:  # the outermost unit plans for its whole tree
+            params = [p for _, _, p in unowned_parameters(module)]
+            _owners = ownership.plan_owners(params, self.process_group)
         if auto_wrap_policy is not None:
             make_unit = functools.partial(
                 _wrap_child,
@@ -134,13 +140,19 @@ class FSDPModule(nn.Module):
                 prefetch=prefetch,
                 offload=offload,
                 param_init_fn=param_init_fn,
+                use_orig_params=use_orig_params,
+                whole_params=whole_params,
                 _init_plan=_init_plan,
+                _owners=_owners,
             )
             apply_policy(module, auto_wrap_policy, make_unit)
-        unit.own(build_flat_params(unit, module, _defer_params, sync_module_states, _init_plan))
+        owners = _owners if whole_params else None
+        flats = build_flat_params(
+            unit, module, _defer_params, sync_module_states, _init_plan, owners
+        )
+        unit.own(flats)
         unit.replicas_synced = sync_module_states
-        for i, flat in enumerate(unit.flat_params):
-            self.register_parameter(f"flat_param_{i}", flat.shard)
+        self._register_optimizer_params(use_orig_params or whole_params)
         prepare_buffers(unit, module, sync_module_states)
         install_fp32_modules(module, mixed_precision)
         module.__dict__["_fsdp_lite_wrapped"] = True
@@ -224,7 +236,7 @@ class FSDPModule(nn.Module):
         units = self._tree_units()
         for unit in units:
             check_state(unit.name, unit.state, TrainingState.IDLE, doing="clip_grad_norm_")
-        grads = [f.shard.grad for u in units for f in u.flat_params if f.shard.grad is not None]
+        grads = [g for u in units for f in u.flat_params if (g := f.grad) is not None]
         total = total_norm(grads, float(norm_type), self.device, self.process_group)
         if error_if_nonfinite and not torch.isfinite(total):
             bad = nonfinite_units(units, self.device, self.process_group)
@@ -330,6 +342,8 @@ class FSDPModule(nn.Module):
         return super()._apply(fn, recurse)
 
     def __getattr__(self, name: str) -> Any:
+        if name in self.__dict__.get("_orig_param_names", ()):  # the module's, not the piece
+            return getattr(self._modules["module"], name)
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -345,6 +359,21 @@ class FSDPModule(nn.Module):
         yield from _named_as_unwrapped(self, self.module, memo, prefix, remove_duplicate)
 
     # -- internals ---------------------------------------------------------------
+
+    def _register_optimizer_params(self, orig: bool) -> None:
+        """What ``parameters()`` yields: each flat param's shard (``flat_param_<i>``), or with
+        ``orig`` this rank's pieces of the original parameters under their names in the
+        wrapped module (``named_parameters()`` then reads as the unwrapped model's).
+        Attribute access by such a name still reaches the module (``__getattr__``)."""
+        names = set()
+        for i, flat in enumerate(self._unit.flat_params):
+            if not orig:
+                self.register_parameter(f"flat_param_{i}", flat.shard)
+                continue
+            for o in flat.make_orig_params():
+                self._parameters[o.name] = o.param
+                names.add(o.name)
+        self.__dict__["_orig_param_names"] = frozenset(names)
 
     def _plan_deferred_init(
         self, module: nn.Module, init_fn: Callable[[nn.Module], None] | None
@@ -369,9 +398,7 @@ class FSDPModule(nn.Module):
         return {
             "shard_bytes": sum(f.shard.numel() * f.shard.element_size() for f in flats),
             "grad_bytes": sum(
-                f.shard.grad.numel() * f.shard.grad.element_size()
-                for f in flats
-                if f.shard.grad is not None
+                g.numel() * g.element_size() for f in flats if (g := f.grad) is not None
             ),
             "full_bytes_now": sum(f.full_nbytes for f in flats if f.is_unsharded),
             "largest_unit_full_bytes": max(

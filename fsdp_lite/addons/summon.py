@@ -95,7 +95,7 @@ def _install_full(flat: FlatParam, keep: bool, offload_to_cpu: bool) -> _Saved:
 def _hide_shards(wrappers: list[nn.Module]) -> _Saved:
     hidden: _Saved = []
     for wrapper in wrappers:
-        shards = {id(flat.shard) for flat in unit_of(wrapper).flat_params}
+        shards = {id(p) for flat in unit_of(wrapper).flat_params for p in flat.optimizer_params()}
         for name, param in list(wrapper._parameters.items()):
             if id(param) in shards:
                 hidden.append((wrapper, name, wrapper._parameters.pop(name)))

@@ -258,8 +258,10 @@ def all_gather_flat(
     *,
     async_op: bool = False,
     unit: str | None = None,
+    sizes: list[int] | None = None,
 ) -> Handle:
-    """Gather every rank's equal-sized 1-D ``shard`` into ``output`` (rank order).
+    """Gather every rank's 1-D ``shard`` into ``output`` (rank order): equal-sized, or of
+    ``sizes[r]`` elements on rank r (whole-param sharding; some may be 0).
 
     With ``async_op`` the result is valid only after the returned handle's ``wait()``;
     keep ``shard`` alive until then.
@@ -272,7 +274,9 @@ def all_gather_flat(
     staged = _staged(shard, device)
     with _peer_errors("all_gather", unit):
         if _on_gloo(group, device):
-            work = _gather_by_broadcasts(out, staged, group)
+            work = _gather_by_broadcasts(_rows(out, sizes, group), staged, group)
+        elif sizes is not None:  # NCCL: a grouped broadcast per rank
+            work = dist.all_gather(_rows(out, sizes, group), staged, group=group, async_op=True)
         else:
             work = _all_gather_flat(out, staged, group=group, async_op=True)
     handle = Handle(work, unit, device, group, _copy_back(output, out))
@@ -281,10 +285,19 @@ def all_gather_flat(
     return handle
 
 
-def _take_slice(output: torch.Tensor, summed: torch.Tensor, group: ProcessGroup) -> None:
+def _rows(flat: torch.Tensor, sizes: list[int] | None, group: ProcessGroup) -> list[torch.Tensor]:
+    """``flat`` cut into each rank's part: equal, or ``sizes[r]`` elements for rank r."""
+    if sizes is None:
+        return list(flat.view(world_size(group), -1))
+    return list(flat.split(sizes))
+
+
+def _take_slice(
+    output: torch.Tensor, summed: torch.Tensor, sizes: list[int] | None, group: ProcessGroup
+) -> None:
     """gloo's reduce-scatter, at its wait: this rank's slice of the in-place sum, then the
     sum's storage freed (see ``reduce_scatter_flat``)."""
-    output.copy_(summed.view(world_size(group), -1)[rank(group)])
+    output.copy_(_rows(summed, sizes, group)[rank(group)])
     summed.untyped_storage().resize_(0)
 
 
@@ -300,18 +313,20 @@ def _on_gloo(group: ProcessGroup, device: torch.device) -> bool:
 _BACKENDS: dict[object, str] = {}  # group_key -> dist.get_backend's answer
 
 
-def _gather_by_broadcasts(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup) -> _Works:
+def _gather_by_broadcasts(
+    rows: list[torch.Tensor], shard: torch.Tensor, group: ProcessGroup
+) -> _Works:
     """gloo: an all-gather as one broadcast per rank, each straight into its rank's row
-    of ``out``. gloo's own all-gather fills a flat buffer of its own (the size of ``out``)
-    and copies it out, freed on its worker thread: memory beside every gather, and a peak
-    that depends on thread timing. The same bytes cross the wire either way."""
-    rows = out.view(world_size(group), -1)
-    me = rank(group)
-    rows[me].copy_(shard)
+    of the output (empty rows skipped). gloo's own all-gather fills a flat buffer of its
+    own (the size of the output) and copies it out, freed on its worker thread: memory
+    beside every gather, and a peak that depends on thread timing. The same bytes cross
+    the wire either way."""
+    rows[rank(group)].copy_(shard)
     return _Works(
         [
-            dist.broadcast(rows[r], src=dist.get_global_rank(group, r), group=group, async_op=True)
-            for r in range(world_size(group))
+            dist.broadcast(row, src=dist.get_global_rank(group, r), group=group, async_op=True)
+            for r, row in enumerate(rows)
+            if row.numel()
         ]
     )
 
@@ -329,9 +344,15 @@ class _Works:
 
 
 def reduce_scatter_flat(
-    output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, *, unit: str | None = None
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: ProcessGroup,
+    *,
+    unit: str | None = None,
+    sizes: list[int] | None = None,
 ) -> Handle:
-    """Sum ``full`` over ranks and leave rank r's contiguous 1/W slice in ``output``.
+    """Sum ``full`` over ranks and leave rank r's contiguous 1/W slice in ``output`` (or,
+    with ``sizes``, its ``sizes[r]`` elements after those of lower ranks).
 
     Worked example, W=2, each rank holding full = [a0, a1, a2, a3] / [b0, b1, b2, b3]:
     rank 0 ends with [a0+b0, a1+b1], rank 1 with [a2+b2, a3+b3]. Asynchronous: ``output``
@@ -354,11 +375,15 @@ def reduce_scatter_flat(
     if _on_gloo(group, device):
         with _peer_errors("reduce_scatter", unit):
             work = dist.all_reduce(staged, group=group, async_op=True)
-        take = functools.partial(_take_slice, output, staged, group)
+        take = functools.partial(_take_slice, output, staged, sizes, group)
         return Handle(work, unit, device, group, take)
     out = output if output.device == device else torch.empty_like(output, device=device)
     with _peer_errors("reduce_scatter", unit):
-        work = _reduce_scatter_flat(out, staged, group=group, async_op=True)
+        if sizes is not None:  # NCCL: a grouped reduce per rank
+            parts = _rows(staged, sizes, group)
+            work = dist.reduce_scatter(out, parts, group=group, async_op=True)
+        else:
+            work = _reduce_scatter_flat(out, staged, group=group, async_op=True)
     return Handle(work, unit, device, group, _copy_back(output, out))
 
 

@@ -21,8 +21,9 @@ gathered from -- the shard's version counter and the count of optimizer steps ta
 
 from __future__ import annotations
 
+import bisect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ from fsdp_lite.core.home import DeviceHome
 # over too), so code that sees only parameters -- an optimizer's step hooks, the grad
 # scaler, the misuse checks -- tells shards from plain parameters without the unit tree.
 _SHARD_ATTR = "_fsdp_lite_ranks"
+# A partial piece of an original parameter (use_orig_params) carries the parameter's shape.
+_PARTIAL_ATTR = "_fsdp_lite_partial_of"
 
 
 def shard_ranks(p: torch.Tensor) -> tuple[int, int] | None:
@@ -118,6 +121,7 @@ class FlatParam:
         home: DeviceHome,
         replicate_group: collectives.ProcessGroup | None = None,
         sync: bool = False,
+        owners: list[int] | None = None,
     ) -> None:
         self.slots = slots
         self.group = group
@@ -132,8 +136,16 @@ class FlatParam:
         self.compute_dtype = compute_dtype
         self.requires_grad = originals[0].requires_grad
         self.numel = sum(s.numel for s in slots)  # unpadded
-        self.shard_numel = -(-self.numel // self.world_size)  # ceil(numel / W)
-        self.padded_numel = self.shard_numel * self.world_size
+        # Rank r keeps elements [bounds[r], bounds[r + 1]) of the padded flat param: a
+        # ceil(numel / W) slice each, or (whole params) the slots ``owners`` gives it.
+        self.bounds = _even_bounds(self.numel, self.world_size)
+        if owners is not None:
+            self.bounds = _slot_bounds(slots, owners, self.world_size)
+        self.padded_numel = self.bounds[-1]
+        self.shard_numel = self.bounds[self.rank + 1] - self.bounds[self.rank]
+        sizes = [b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False)]
+        # Each rank's shard size where they differ (collectives then take per-rank sizes).
+        self.sizes = sizes if len(set(sizes)) > 1 else None
         # Weak references to the original parameters, so an enclosing unit can tell
         # that a parameter it meets was already flattened here (a tie across units).
         self.original_refs = [weakref.ref(p) for p in originals]
@@ -169,6 +181,11 @@ class FlatParam:
         self.placeholders: list[FreedParameter] | None = None
         # This iteration's views of ``full``, one per slot (use_full_views), for backward.
         self.views: list[torch.Tensor] | None = None
+        # use_orig_params / whole_params: what the optimizer sees instead of the shard (see
+        # make_orig_params), and the shard grad their grads were last pointed into.
+        self.orig_params: list[OrigParam] | None = None
+        self._linked_grad: torch.Tensor | None = None
+        self._linked_views: list[torch.Tensor] | None = None
         global _step_hook
         if _step_hook is None:
             _step_hook = register_optimizer_step_post_hook(_count_step)
@@ -216,8 +233,9 @@ class FlatParam:
         with torch.no_grad():
             send = self.home.shard_for_gather(self).to(self.compute_dtype)
             self._gather = collectives.all_gather_flat(
-                self.full_data, send, self.group, async_op=True, unit=self.unit_name
-            )
+                self.full_data, send, self.group, async_op=True, unit=self.unit_name,
+                sizes=self.sizes,
+            )  # fmt: skip
         self._gather_send = send
         if not async_op:
             self.wait_unshard()
@@ -247,7 +265,7 @@ class FlatParam:
             source = self.home.shard_for_gather(self) if fetched else source.detach()
             source = source.to(self.device, self.shard.dtype)
             out = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.device)
-            collectives.all_gather_flat(out, source, self.group)
+            collectives.all_gather_flat(out, source, self.group, sizes=self.sizes)
             if fetched:
                 self.home.after_gather(self)
         return out[: self.numel]
@@ -308,11 +326,100 @@ class FlatParam:
         """``[start, end)``: the elements of the padded flat param that ``rank`` (default:
         this rank) keeps in its shard."""
         rank = self.rank if rank is None else rank
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+        return self.bounds[rank], self.bounds[rank + 1]
 
     def owner(self, offset: int) -> int:
         """The rank whose shard holds element ``offset`` of the flat param."""
-        return offset // self.shard_numel
+        return bisect.bisect_right(self.bounds, offset) - 1
+
+    def pieces(self, rank: int | None = None) -> Iterator[tuple[int, int, int, int]]:
+        """``(slot index, lo, hi, at)``: elements ``[lo, hi)`` of that slot's flattened
+        value live at ``shard[at : at + hi - lo]`` on ``rank`` (default: this rank).
+
+        Worked example, W=2, slots a (6 elements) and b (3), shard_numel 5: rank 0 holds
+        ``(0, 0, 5, 0)``; rank 1 holds ``(0, 5, 6, 0)`` and ``(1, 0, 3, 1)``, then 1 padding.
+        """
+        start, end = self.rank_range(rank)
+        for i, slot in enumerate(self.slots):
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo < hi:
+                yield i, lo - slot.offset, hi - slot.offset, lo - start
+
+    # -- what the optimizer sees ----------------------------------------------------
+
+    def make_orig_params(self) -> list[OrigParam]:
+        """use_orig_params: one ``nn.Parameter`` per piece of an original parameter this
+        rank holds, a view of the shard (see Note). A whole piece has the parameter's
+        shape; a partial one is 1-D with leading 1s up to the parameter's ndim (so
+        ``p.ndim`` sorts parameters into groups), marked for ``partial_shape``."""
+        origs = []
+        with torch.no_grad():
+            for i, lo, hi, at in self.pieces():
+                slot, numel = self.slots[i], hi - lo
+                whole = numel == slot.numel
+                shape = slot.shape if whole else (1,) * (len(slot.shape) - 1) + (numel,)
+                view = self.shard[at : at + numel].view(shape)
+                param = nn.Parameter(view, requires_grad=self.requires_grad)
+                param.__dict__[_SHARD_ATTR] = (self.world_size, self.replicas)
+                if not whole:
+                    param.__dict__[_PARTIAL_ATTR] = slot.shape
+                origs.append(OrigParam(slot.name, at, numel, param))
+        self.orig_params = origs
+        return origs
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        """What an optimizer over this flat param steps: its orig params, else the shard."""
+        if self.orig_params is None:
+            return [self.shard]
+        return [o.param for o in self.orig_params]
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The shard's gradient as the optimizer's parameters define it (orig params:
+        regions whose grads were set to None read as zero; none at all when all were)."""
+        self.sync_orig_grads()
+        return self.shard.grad
+
+    def sync_orig_grads(self) -> None:
+        """Make the orig params' grads and the shard grad one again: fold in what was done
+        to the former since they were last pointed into the latter (``zero_grad`` set
+        them to None: zero, or drop the shard grad if every one is None; a tensor assigned
+        to one: copied in), then point each at its region of the shard grad. Before each
+        accumulation, at the end of backward and before any read of the shard grad."""
+        origs = self.orig_params
+        if origs is None:
+            return
+        grad = self.shard.grad
+        if grad is not None and grad is self._linked_grad:
+            stale = [
+                (o, o.param.grad)
+                for o, v in zip(origs, self._linked_views, strict=True)
+                if o.param.grad is not v
+            ]
+            if not stale:
+                return
+            if len(stale) == len(origs) and all(g is None for _, g in stale):
+                grad = self.shard.grad = None  # zero_grad(set_to_none=True)
+                stale = []
+        else:  # a new shard grad, or none: keep only grads assigned while there was none
+            stale = [(o, o.param.grad) for o in origs if grad is None and o.param.grad is not None]
+            if stale:
+                grad = self.shard.grad = torch.zeros_like(self.shard.detach())
+        with torch.no_grad():
+            for o, g in stale:
+                region = grad[o.at : o.at + o.numel]
+                region.zero_() if g is None else region.copy_(g.reshape(-1))
+        self._linked_grad, self._linked_views = grad, None
+        if grad is not None:
+            self._linked_views = [grad[o.at : o.at + o.numel].view(o.param.shape) for o in origs]
+            for o, view in zip(origs, self._linked_views, strict=True):
+                o.param.grad = view
+
+    def accumulate(self, grad: torch.Tensor) -> None:
+        """Add a reduced shard grad (compute device, reduce dtype) to the shard's fp32 grad,
+        in its home."""
+        self.sync_orig_grads()
+        self.home.accumulate_grad(self, grad)
 
     def load_full(self, flat: torch.Tensor) -> None:
         """Overwrite this rank's shard from an unpadded full flat tensor (no communication)."""
@@ -356,7 +463,7 @@ class FlatParam:
         ranks = self.world_size * self.replicas  # averaged over
         with torch.no_grad():
             pieces = widening_pieces(grad.numel(), grad.dtype, reduce_dtype)
-            if pieces > 1:
+            if pieces > 1 and self.sizes is None:  # by columns of the (W, shard) layout
                 out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
                 return PendingGrad(self, self._reduce_widened(grad, out, pieces), out, ranks)
             grad = grad.to(reduce_dtype)  # the compute-dtype gradient is dropped here
@@ -367,7 +474,7 @@ class FlatParam:
                 grad.div_(pre)
             out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=grad.device)
             work = collectives.reduce_scatter_flat(
-                out, grad, self.reduce_group, unit=self.unit_name
+                out, grad, self.reduce_group, unit=self.unit_name, sizes=self.sizes
             )
         return PendingGrad(self, [work], out, ranks / pre)
 
@@ -444,6 +551,41 @@ def _build_shard(
     return shard
 
 
+def _even_bounds(numel: int, world_size: int) -> list[int]:
+    """Rank r keeps [r * s, (r + 1) * s) of the flat param padded to W * s, s = ceil(numel / W)."""
+    per = -(-numel // world_size)
+    return [r * per for r in range(world_size + 1)]
+
+
+def _slot_bounds(slots: list[ParamSlot], owners: list[int], world_size: int) -> list[int]:
+    """Whole params: rank r keeps the slots ``owners`` gives it, laid out consecutively in
+    rank order (``slots`` is sorted by owner); no padding."""
+    if owners != sorted(owners):
+        raise ValueError("whole_params: slots must be laid out in owner order")
+    bounds = [0] * (world_size + 1)
+    for slot, owner in zip(slots, owners, strict=True):
+        bounds[owner + 1] = slot.offset + slot.numel
+    for r in range(1, world_size + 1):
+        bounds[r] = max(bounds[r], bounds[r - 1])
+    return bounds
+
+
+def partial_shape(p: torch.Tensor) -> torch.Size | None:
+    """The original shape of ``p`` if it is a partial piece of it (use_orig_params in the
+    default layout), else ``None``."""
+    return p.__dict__.get(_PARTIAL_ATTR)
+
+
+@dataclass
+class OrigParam:
+    """One original parameter's piece on this rank, as the optimizer sees it."""
+
+    name: str  # the parameter's name in the unit's module
+    at: int  # where the piece starts in the shard
+    numel: int
+    param: nn.Parameter  # a view of shard[at : at + numel] (its grad: of the shard grad's)
+
+
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the shard an optimizer steps: fp32 for a module loaded in bf16 or fp16
     (low-precision masters lose small updates to rounding), else the parameter's own."""
@@ -502,4 +644,4 @@ class PendingGrad:
             self.replicated.wait()
         if self.divide_by != 1:
             self.out.div_(self.divide_by)
-        self.flat.home.accumulate_grad(self.flat, self.out)
+        self.flat.accumulate(self.out)

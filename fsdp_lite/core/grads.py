@@ -38,7 +38,7 @@ def nonfinite_units(
     flags = torch.tensor(
         [
             any(
-                f.shard.grad is not None and not bool(torch.isfinite(f.shard.grad).all())
+                (g := f.grad) is not None and not bool(torch.isfinite(g).all())
                 for f in u.flat_params
             )
             for u in units

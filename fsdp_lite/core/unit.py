@@ -181,12 +181,13 @@ class Unit:
         would keep training (frozen and trainable parameters are flattened apart, at wrap
         time)."""
         for flat in self.flat_params:
-            if flat.shard.requires_grad != flat.requires_grad:
+            changed = [p for p in flat.optimizer_params() if p.requires_grad != flat.requires_grad]
+            if changed:
                 names = ", ".join(slot.name for slot in flat.slots[:3])
                 more = f" and {len(flat.slots) - 3} more" if len(flat.slots) > 3 else ""
                 raise RuntimeError(
                     f"fsdp_lite: requires_grad of a shard of unit '{self.name}' ({names}{more}) "
-                    f"changed after wrapping, to {flat.shard.requires_grad}: fsdp_lite "
+                    f"changed after wrapping, to {changed[0].requires_grad}: fsdp_lite "
                     "flattens frozen and trainable parameters apart when it wraps, so it cannot "
                     "follow the change. Set requires_grad on the original parameters before "
                     "wrapping (wrap again to change it), or put it back to "

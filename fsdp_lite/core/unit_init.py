@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_lite.core import collectives, deferred_init, runtime
+from fsdp_lite.core import collectives, deferred_init, ownership, runtime
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.flat_param import FlatParam, ParamSlot, master_dtype, shard_ranks
 from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of
@@ -93,8 +93,17 @@ def _check_param(name: str, p: nn.Parameter, owned: dict) -> None:
         )
 
 
-def _make_flat(unit: Unit, members: list, compute_dtype: torch.dtype, sync: bool) -> FlatParam:
-    """One FlatParam from (slot, original) pairs; the originals leave their modules."""
+def _make_flat(
+    unit: Unit, members: list, compute_dtype: torch.dtype, sync: bool, owners: dict[int, int] | None
+) -> FlatParam:
+    """One FlatParam from (slot, original) pairs; the originals leave their modules. With
+    ``owners`` (whole params: id(original) -> rank) the slots are laid out in owner order."""
+    ranks = None
+    if owners is not None:
+        missing = [p for _, p in members if id(p) not in owners]
+        owners = {**owners, **ownership.plan_owners(missing, unit.process_group)}
+        members = sorted(members, key=lambda m: owners[id(m[1])])  # stable
+        ranks = [owners[id(p)] for _, p in members]
     offset = 0
     for slot, _ in members:
         slot.offset = offset
@@ -108,6 +117,7 @@ def _make_flat(unit: Unit, members: list, compute_dtype: torch.dtype, sync: bool
         home=unit.home,
         replicate_group=unit.replicate_group,
         sync=sync,
+        owners=ranks,
     )
     for slot in flat.slots:
         for sub, attr in slot.locations:
@@ -125,9 +135,11 @@ def build_flat_params(
     defer: frozenset[int],
     sync: bool,
     init_plan: deferred_init.InitPlan | None,
+    owners: dict[int, int] | None = None,
 ) -> list[FlatParam]:
     """Flatten the parameters of ``module`` that no nested unit owns, one FlatParam per
-    (dtype, requires_grad, compute dtype), and replace them by views of the full buffer."""
+    (dtype, requires_grad, compute dtype), and replace them by views of the full buffer.
+    ``owners``: whole-param sharding (see ``ownership.py``)."""
     _check_split_modules(unit, module)
     owned = _flattened_by_nested(module)
     names = {id(m): n for n, m in clean_named_modules(module)}
@@ -160,7 +172,7 @@ def build_flat_params(
         key_of[id(p)] = key
 
     return [
-        _make_flat(unit, members, compute_dtype, sync)
+        _make_flat(unit, members, compute_dtype, sync, owners)
         for (_, _, compute_dtype), members in groups.items()
     ]
 

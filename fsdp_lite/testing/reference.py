@@ -90,6 +90,9 @@ class Run:
     # The reference and every batch live here (e.g. "cuda:0"); the wrapped model lives
     # where ``wrap`` puts it. None: the CPU.
     device: str | None = None
+    # The optimizers of a model (called for the wrapped model and for the reference, so
+    # per-parameter groups built from named_parameters() must agree); default: one AdamW.
+    optimizers: Callable[[nn.Module], list[torch.optim.Optimizer]] | None = None
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -146,12 +149,9 @@ def compare_training(run: Run) -> None:
         ref.to(run.device)
     initial = {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}
     model = run.wrap(copy.deepcopy(ref))
-    # eps=1e-6, not 1e-8: some gradients are zero in exact arithmetic (the key bias of
-    # attention, anything a norm cancels) and rounding noise there would be normalized
-    # by Adam into lr-sized steps that differ between any two summation orders.
-    ref_opt = torch.optim.AdamW(_trainable(ref), lr=run.lr, weight_decay=0.1, eps=1e-6)
-    opt = torch.optim.AdamW(_trainable(model), lr=run.lr, weight_decay=0.1, eps=1e-6)
-    scalers = _Scalers(run.scaler, opt, ref_opt)
+    make = run.optimizers or functools.partial(_adamw, lr=run.lr)
+    ref_opts, opts = make(ref), make(model)
+    scalers = _Scalers(run.scaler, opts, ref_opts)
     if run.before_training is not None:
         run.before_training(model, ref)
     for step in range(run.steps):
@@ -188,8 +188,8 @@ def compare_training(run: Run) -> None:
             )
         _check_grads(run, model, ref, step)
         scalers.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
+        for o in (*ref_opts, *opts):
+            o.zero_grad()
         if run.between_steps is not None:
             run.between_steps(model, ref, step)
     _check_params(run, model, ref, initial, world)
@@ -198,10 +198,15 @@ def compare_training(run: Run) -> None:
 class _Scalers:
     """The step's optimizers, with or without loss scaling on both sides."""
 
-    def __init__(self, on: bool, opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer):
+    def __init__(
+        self, on: bool, opts: list[torch.optim.Optimizer], ref_opts: list[torch.optim.Optimizer]
+    ) -> None:
         from fsdp_lite.addons.grad_scaler import ShardedGradScaler
 
-        self.opt, self.ref_opt = opt, ref_opt
+        self.opts, self.ref_opts = opts, ref_opts
+        if on and len(opts) != 1:
+            raise ValueError("loss scaling is compared with one optimizer")
+        self.opt, self.ref_opt = opts[0], ref_opts[0]
         # The scale jumps x64 after every step taken and /64 after an overflow: from 2**12,
         # a small model steps, overflows at 2**18 (skipped), steps again: a short run both
         # skips and steps.
@@ -237,8 +242,8 @@ class _Scalers:
 
     def step(self) -> None:
         if self.fsdp is None:
-            self.ref_opt.step()
-            self.opt.step()
+            for o in (*self.ref_opts, *self.opts):
+                o.step()
             return
         self.ref.step(self.ref_opt)
         self.fsdp.step(self.opt)
@@ -250,6 +255,13 @@ class _Scalers:
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def _adamw(model: nn.Module, lr: float) -> list[torch.optim.Optimizer]:
+    # eps=1e-6, not 1e-8: some gradients are zero in exact arithmetic (the key bias of
+    # attention, anything a norm cancels) and rounding noise there would be normalized
+    # by Adam into lr-sized steps that differ between any two summation orders.
+    return [torch.optim.AdamW(_trainable(model), lr=lr, weight_decay=0.1, eps=1e-6)]
 
 
 def _check_grads(run: Run, model: FSDPModule, ref: nn.Module, step: int) -> None:
