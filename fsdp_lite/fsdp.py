@@ -22,7 +22,7 @@ from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.grads import nonfinite_units, total_norm
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.state import TrainingState, check_state
-from fsdp_lite.core.tree import UNIT_ATTR, units_of
+from fsdp_lite.core.tree import UNIT_ATTR, named_as_unwrapped, units_of
 from fsdp_lite.core.unit import Unit
 from fsdp_lite.core.unit_init import (
     build_flat_params,
@@ -356,7 +356,7 @@ class FSDPModule(nn.Module):
         share one name, as in ``state_dict()`` keys, so code that matches module names to
         state-dict keys (PEFT's ``get_peft_model_state_dict``) finds them; attribute
         access forwards to the module, so ``get_submodule(name)`` resolves them too."""
-        yield from _named_as_unwrapped(self, self.module, memo, prefix, remove_duplicate)
+        yield from named_as_unwrapped(self, self.module, memo, prefix, remove_duplicate)
 
     # -- internals ---------------------------------------------------------------
 
@@ -405,18 +405,6 @@ class FSDPModule(nn.Module):
                 (sum(f.full_nbytes for f in u.flat_params) for u in units), default=0
             ),
         }
-
-
-def _named_as_unwrapped(
-    wrapper: nn.Module, inner: nn.Module, memo: set | None, prefix: str, remove_duplicate: bool
-) -> Iterator[tuple[str, nn.Module]]:
-    memo = set() if memo is None else memo
-    if remove_duplicate:
-        if wrapper in memo:
-            return
-        memo.add(wrapper)
-    yield prefix, wrapper
-    yield from inner.named_modules(memo, prefix, remove_duplicate)
 
 
 def _wrap_child(child: nn.Module, defer: set[int], **kwargs: Any) -> FSDPModule:

@@ -17,7 +17,7 @@ no extra reduce-scatter) -- see ``FSDPModule.forward``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_lite.core import devices
+from fsdp_lite.core.tree import named_as_unwrapped
 
 if TYPE_CHECKING:
     from fsdp_lite.core.wrap import Policy
@@ -76,6 +77,13 @@ class CheckpointWrapper(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["checkpointed"], name)
+
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """Under the unwrapped model's names, as ``state_dict()`` keys (so
+        ``named_parameters()`` too)."""
+        yield from named_as_unwrapped(self, self.checkpointed, memo, prefix, remove_duplicate)
 
     def _saved_tensor_home(self, args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
         """With offload_to_cpu, the region's saved inputs wait for backward in CPU memory:

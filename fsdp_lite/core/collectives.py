@@ -273,7 +273,7 @@ def all_gather_flat(
     out = output if output.device == device else torch.empty_like(output, device=device)
     staged = _staged(shard, device)
     with _peer_errors("all_gather", unit):
-        if _on_gloo(group, device):
+        if _on_gloo(group, device) or (sizes is not None and not _on_nccl(group, device)):
             work = _gather_by_broadcasts(_rows(out, sizes, group), staged, group)
         elif sizes is not None:  # NCCL: a grouped broadcast per rank
             work = dist.all_gather(_rows(out, sizes, group), staged, group=group, async_op=True)
@@ -303,11 +303,21 @@ def _take_slice(
 
 def _on_gloo(group: ProcessGroup, device: torch.device) -> bool:
     """Whether a collective on ``group`` over a tensor on ``device`` runs on gloo."""
+    return device.type == "cpu" and "gloo" in _backend(group)
+
+
+def _on_nccl(group: ProcessGroup, device: torch.device) -> bool:
+    """Whether it runs on NCCL, whose list forms take per-rank sizes that differ (other
+    backends -- gloo, torch's fake process group -- get broadcasts or an all-reduce)."""
+    return device.type == "cuda" and "nccl" in _backend(group)
+
+
+def _backend(group: ProcessGroup) -> str:
     key = group_key(group)
     backend = _BACKENDS.get(key)
     if backend is None:
         backend = _BACKENDS[key] = dist.get_backend(group)
-    return device.type == "cpu" and "gloo" in backend
+    return backend
 
 
 _BACKENDS: dict[object, str] = {}  # group_key -> dist.get_backend's answer
@@ -372,14 +382,14 @@ def reduce_scatter_flat(
         output.copy_(full)
         return Handle(None, unit, output.device)
     staged = _staged(full, device)
-    if _on_gloo(group, device):
+    if _on_gloo(group, device) or (sizes is not None and not _on_nccl(group, device)):
         with _peer_errors("reduce_scatter", unit):
             work = dist.all_reduce(staged, group=group, async_op=True)
         take = functools.partial(_take_slice, output, staged, sizes, group)
         return Handle(work, unit, device, group, take)
     out = output if output.device == device else torch.empty_like(output, device=device)
     with _peer_errors("reduce_scatter", unit):
-        if sizes is not None:  # NCCL: a grouped reduce per rank
+        if sizes is not None:  # a grouped reduce per rank
             parts = _rows(staged, sizes, group)
             work = dist.reduce_scatter(out, parts, group=group, async_op=True)
         else:

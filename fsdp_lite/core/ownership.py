@@ -20,8 +20,8 @@ from torch import nn
 from fsdp_lite.core import collectives
 from fsdp_lite.core.flat_param import master_dtype
 
-# group_key -> bytes of master parameters owned by each rank of that group so far.
-_OWNED: dict[object, list[int]] = {}
+# (group_key, W) -> bytes of master parameters owned by each rank of that group so far.
+_OWNED: dict[tuple[object, int], list[int]] = {}
 
 
 def master_nbytes(p: nn.Parameter) -> int:
@@ -33,7 +33,7 @@ def plan_owners(params: list[nn.Parameter], group: collectives.ProcessGroup) -> 
     ``group`` before; the same answer on every rank of ``group`` (every rank wraps the
     same modules in the same order)."""
     size = collectives.world_size(group)
-    owned = _OWNED.setdefault(collectives.group_key(group), [0] * size)
+    owned = _OWNED.setdefault((collectives.group_key(group), size), [0] * size)
     unique = list({id(p): p for p in params}.values())
     ranks = assign([master_nbytes(p) for p in unique], owned)
     return {id(p): r for p, r in zip(unique, ranks, strict=True)}

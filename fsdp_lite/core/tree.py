@@ -87,3 +87,17 @@ def calling_modules() -> list[nn.Module]:
                 found.append(module)
         frame = frame.f_back
     return found
+
+
+def named_as_unwrapped(
+    wrapper: nn.Module, inner: nn.Module, memo: set | None, prefix: str, remove_duplicate: bool
+) -> Iterator[tuple[str, nn.Module]]:
+    """``named_modules`` of a wrapper (a unit's, a checkpoint wrapper) whose module shares
+    its name: the names of the unwrapped model, as in ``state_dict()`` keys."""
+    memo = set() if memo is None else memo
+    if remove_duplicate:
+        if wrapper in memo:
+            return
+        memo.add(wrapper)
+    yield prefix, wrapper
+    yield from inner.named_modules(memo, prefix, remove_duplicate)

@@ -11,7 +11,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_lite.core import collectives, deferred_init, ownership, runtime
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.core.flat_param import FlatParam, ParamSlot, master_dtype, shard_ranks
+from fsdp_lite.core.flat_param import (
+    FlatParam,
+    ParamSlot,
+    master_dtype,
+    partial_shape,
+    shard_ranks,
+)
 from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of
 from fsdp_lite.core.wrap import unowned_parameters
 
@@ -280,6 +286,9 @@ def install_fp32_modules(module: nn.Module, mp: MixedPrecision | None) -> None:
 # no memory) and remembered, and every optimizer's first step checks it holds none.
 
 _FLATTENED: dict[int, tuple[weakref.ref, str]] = {}  # id(original) -> (ref, name)
+# Optimizers (by class name, along the class's MRO) that step whole matrices: they must
+# not see a partial piece of a parameter (use_orig_params without whole_params).
+MATRIX_OPTIMIZERS = frozenset({"Muon", "Shampoo", "DistributedShampoo", "SOAP"})
 _CHECKED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 _hook_installed = False
 
@@ -311,6 +320,17 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: obj
                 "that fsdp_lite.FSDPModule flattened into a shard: it would step a tensor "
                 "nothing uses. Build the optimizer after wrapping, from model.parameters()"
             )
+    partial = [p for p in params if partial_shape(p) is not None]
+    matrix = [c.__name__ for c in type(optimizer).__mro__ if c.__name__ in MATRIX_OPTIMIZERS]
+    if partial and matrix:
+        raise RuntimeError(
+            f"this {type(optimizer).__name__} (a {matrix[0]}: it needs whole matrices) holds "
+            f"{len(partial)} piece(s) of parameters cut at numel/W (e.g. one of shape "
+            f"{tuple(partial_shape(partial[0]))} held as {tuple(partial[0].shape)}): "
+            "use_orig_params shards each flat param evenly, across parameter boundaries. "
+            "Wrap with FSDPModule(..., whole_params=True): every rank then owns whole "
+            "parameters, shaped"
+        )
     marks = [m for p in params if (m := shard_ranks(p)) is not None]
     ranks = max((world * replicas for world, replicas in marks), default=1)
     loose = [p for p in params if p.requires_grad and shard_ranks(p) is None]
