@@ -7,8 +7,9 @@ only its own shards -- nothing is gathered -- and any world size reads it back. 
                               (buffers, replicated, as rank 0 holds them)
     optim.param_groups        [{hyperparameters..., "params": [parameter names]}]
     optim.state.<name>.<key>  e.g. ``exp_avg`` with the parameter's shape, ``step``
+    optim<k>.*                the same for the k-th of several optimizers (k >= 1)
     extra.rank<r>             the ``extra`` rank r passed to ``save_checkpoint``
-    fsdp_lite                 {"format": 1, "shards": W, "optimizer": bool}
+    fsdp_lite                 {"format": 1, "shards": W, "optimizers": count}
 
 so a user without fsdp_lite can read it with ``dcp.load`` into a plain model's
 ``state_dict()`` under ``model.`` keys.
@@ -29,10 +30,11 @@ Writing is atomic: see ``atomic_dir``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,9 +55,10 @@ from fsdp_lite.addons.state_dict import (
     boxes,
     check_idle,
     expected_shapes,
+    flat_params,
+    param_names,
     state_dict_layout,
     validate_keys,
-    write_shard,
 )
 from fsdp_lite.core import collectives
 from fsdp_lite.core.flat_param import FlatParam
@@ -81,56 +84,72 @@ def _quiet_sharded_tensor():
 # -- a shard as ShardedTensors ------------------------------------------------------
 
 
-def _sharded_tensor(flat: FlatParam, i: int, src: torch.Tensor) -> ShardedTensor:
-    """Slot ``i`` of ``flat`` as a ShardedTensor whose local shards view the shard-shaped
-    ``src`` (no communication: every rank computes every rank's boxes)."""
-    slot, sn = flat.slots[i], flat.shard_numel
+# This rank's elements [start, start + numel) of a shard-shaped value, as a 1-D view: of
+# a shard-shaped tensor (``_of``), or of the optimizer state of the entry holding them.
+Local = Callable[[int, int], torch.Tensor]
+
+
+def _of(src: torch.Tensor) -> Local:
+    return lambda start, numel: src[start : start + numel]
+
+
+def _sharded_tensor(flat: FlatParam, i: int, local: Local, dtype: torch.dtype) -> ShardedTensor:
+    """Slot ``i`` of ``flat`` as a ShardedTensor whose local shards view ``local`` (no
+    communication: every rank computes every rank's boxes)."""
+    slot, device = flat.slots[i], flat.shard.device
     ranks = collectives.global_ranks(flat.group)
-    metas, local = [], []
-    first_rank, last_rank = slot.offset // sn, (slot.offset + slot.numel - 1) // sn
-    for q in range(first_rank, last_rank + 1):
-        lo = max(q * sn, slot.offset) - slot.offset
-        hi = min((q + 1) * sn, slot.offset + slot.numel) - slot.offset
-        at = slot.offset + lo - q * sn  # where element lo sits in rank q's shard
-        for offsets, sizes, first in boxes(tuple(slot.shape), lo, hi):
-            md = ShardMetadata(list(offsets), list(sizes), f"rank:{ranks[q]}/{src.device}")
+    metas, shards = [], []
+    first, last = flat.owner(slot.offset), flat.owner(slot.offset + slot.numel - 1)
+    for q in range(first, last + 1):
+        start, end = flat.rank_range(q)
+        lo = max(start, slot.offset) - slot.offset
+        hi = min(end, slot.offset + slot.numel) - slot.offset
+        at = slot.offset + lo - start  # where element lo sits in rank q's shard
+        for offsets, sizes, index in boxes(tuple(slot.shape), lo, hi):
+            md = ShardMetadata(list(offsets), list(sizes), f"rank:{ranks[q]}/{device}")
             metas.append(md)
             if q == flat.rank:
-                start = at + first - lo
-                local.append(Shard(src[start : start + math.prod(sizes)].view(sizes), md))
-    props = TensorProperties(dtype=src.dtype, requires_grad=False)
+                shards.append(Shard(local(at + index - lo, math.prod(sizes)).view(sizes), md))
+    props = TensorProperties(dtype=dtype, requires_grad=False)
     meta = ShardedTensorMetadata(metas, torch.Size(slot.shape), props)
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local, meta, process_group=flat.group
+        shards, meta, process_group=flat.group
     )
 
 
-def _whole(flat: FlatParam, i: int, src: torch.Tensor) -> torch.Tensor:
+def _whole(flat: FlatParam, i: int, local: Local, dtype: torch.dtype) -> torch.Tensor:
     """A small slot (0-dim or empty) in full on every rank: broadcast from its owner."""
     slot = flat.slots[i]
-    value = torch.zeros(slot.numel, dtype=src.dtype, device=src.device)
+    value = torch.zeros(slot.numel, dtype=dtype, device=flat.shard.device)
     if slot.numel:
         owner = flat.owner(slot.offset)
         if owner == flat.rank:
-            start = slot.offset - flat.rank_range()[0]
-            value.copy_(src[start : start + slot.numel])
+            value.copy_(local(slot.offset - flat.rank_range()[0], slot.numel))
         collectives.broadcast(value, flat.group, src_rank=owner)
     return value.view(slot.shape)
 
 
-def _save_value(flat: FlatParam, i: int, src: torch.Tensor) -> Any:
+def _save_value(flat: FlatParam, i: int, local: Local, dtype: torch.dtype) -> Any:
     if len(flat.slots[i].shape) == 0 or flat.slots[i].numel == 0:
-        return _whole(flat, i, src.detach())
-    return _sharded_tensor(flat, i, src.detach())
+        return _whole(flat, i, local, dtype)
+    return _sharded_tensor(flat, i, local, dtype)
 
 
-def _load_dest(flat: FlatParam, i: int, scratch: torch.Tensor, after: list[Callable]) -> Any:
-    """Where DCP should read slot ``i`` so that its part lands in ``scratch``."""
+def _load_dest(
+    flat: FlatParam, i: int, local: Local, dtype: torch.dtype, after: list[Callable]
+) -> Any:
+    """Where DCP should read slot ``i`` so that this rank's part lands in ``local``."""
     slot = flat.slots[i]
     if len(slot.shape) and slot.numel:
-        return _sharded_tensor(flat, i, scratch)
-    whole = torch.zeros(slot.shape, dtype=scratch.dtype, device=scratch.device)
-    after.append(lambda: write_shard(scratch, flat, {i: whole}))
+        return _sharded_tensor(flat, i, local, dtype)
+    whole = torch.zeros(slot.shape, dtype=dtype, device=flat.shard.device)
+
+    def write() -> None:
+        for j, lo, hi, at in flat.pieces():
+            if j == i:
+                local(at, hi - lo).copy_(whole.reshape(-1)[lo:hi])
+
+    after.append(write)
     return whole
 
 
@@ -139,33 +158,44 @@ def _load_dest(flat: FlatParam, i: int, scratch: torch.Tensor, after: list[Calla
 
 def _model_items(model: nn.Module) -> dict[str, Any]:
     slots, tensors = state_dict_layout(model)
-    items = {f"model.{k}": _save_value(flat, i, flat.shard) for k, (flat, i) in slots.items()}
+    items = {
+        f"model.{k}": _save_value(flat, i, _of(flat.shard.detach()), flat.shard.dtype)
+        for k, (flat, i) in slots.items()
+    }
     for key, (tensor, dtype) in tensors.items():
         items[f"model.{key}"] = tensor.detach().to(dtype)
     return items
 
 
-def _optim_items(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _optim_items(model: nn.Module, optimizer: torch.optim.Optimizer, prefix: str) -> dict[str, Any]:
     entries = _optim.optimizer_entries(model, optimizer)
-    items: dict[str, Any] = {"optim.param_groups": _optim.group_records(optimizer, entries)}
-    for e in entries:
-        for key, value in e.state.items():
-            for i, name in enumerate(e.names):
-                if _optim.is_sharded(value, e.flat):
-                    items[f"optim.state.{name}.{key}"] = _save_value(e.flat, i, value)
-                else:
-                    items[f"optim.state.{name}.{key}"] = value
+    ex = _optim.exchange(model, optimizer, entries)
+    items: dict[str, Any] = {f"{prefix}.param_groups": ex.groups}
+    names = param_names(model)
+    for flat in flat_params(model):
+        for key, dtype in _optim.sharded_keys(flat, names, ex.kinds).items():
+            local = functools.partial(_optim.shard_view, _optim.local_state(flat, key, entries))
+            for i, slot in enumerate(flat.slots):
+                kind = ex.kinds.get(names[id(slot)], {}).get(key)
+                if kind is not None and kind[0] == "sharded":
+                    item = f"{prefix}.state.{names[id(slot)]}.{key}"
+                    items[item] = _save_value(flat, i, local, dtype)
+    for name, kinds in ex.kinds.items():
+        for key, kind in kinds.items():
+            if kind[0] == "value":
+                items[f"{prefix}.state.{name}.{key}"] = kind[1]
     return items
 
 
 def save_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> None:
-    """Write a sharded DCP checkpoint of ``model`` (and ``optimizer``) to the directory
-    ``path``, atomically. Call on every rank; each writes only its own shards.
+    """Write a sharded DCP checkpoint of ``model`` (and ``optimizer``: one, or a list such
+    as ``[Muon, AdamW]``) to the directory ``path``, atomically. Call on every rank; each
+    writes only its own shards.
 
     ``extra`` is any picklable dict of this rank's (step, RNG states, data position,
     scheduler state...); ``load_checkpoint`` returns it. An existing checkpoint at
@@ -180,11 +210,12 @@ def save_checkpoint(
     tmp = path + ".tmp"
     with _quiet_sharded_tensor():
         items = _model_items(model)
-        if optimizer is not None:
-            items.update(_optim_items(model, optimizer))
+        optimizers = _as_list(optimizer)
+        for k, opt in enumerate(optimizers):
+            items.update(_optim_items(model, opt, _prefix(k)))
         items[f"extra.rank{collectives.rank(group)}"] = dict(extra or {})
         shards = collectives.world_size(model.process_group)
-        items[MARKER] = {"format": FORMAT, "shards": shards, "optimizer": optimizer is not None}
+        items[MARKER] = {"format": FORMAT, "shards": shards, "optimizers": len(optimizers)}
         _on_rank0(group, atomic_dir.prepare, path, tmp)
         dcp.save(
             items,
@@ -197,6 +228,17 @@ def save_checkpoint(
             process_group=group,
         )
     _on_rank0(group, atomic_dir.publish, tmp, path)
+
+
+def _as_list(optimizer: Any) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    return list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
+
+
+def _prefix(k: int) -> str:
+    """Keys of the k-th optimizer: ``optim.*``, then ``optim1.*``, ``optim2.*``..."""
+    return "optim" if k == 0 else f"optim{k}"
 
 
 def _checkpoint_group(model: nn.Module) -> collectives.ProcessGroup:
@@ -234,7 +276,7 @@ def _on_rank0(group: collectives.ProcessGroup, fn: Callable, *args: Any) -> None
 def load_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
 ) -> dict[str, Any]:
     """Restore ``model`` (and ``optimizer``) in place from a ``save_checkpoint`` directory
     written at any world size; return the ``extra`` dict this rank saved (rank 0's when
@@ -254,12 +296,16 @@ def load_checkpoint(
     after: list[Callable] = []
     with _quiet_sharded_tensor():
         dest, apply_model = _model_dest(model, keys, after)
-        apply_optim = None
-        if optimizer is not None and "optim.param_groups" not in keys:
-            raise CheckpointError(f"{path} holds no optimizer state (saved without optimizer=)")
-        if optimizer is not None:
-            optim_dest, apply_optim = _optim_dest(model, optimizer, keys, after)
+        applies = []
+        for k, opt in enumerate(_as_list(optimizer)):
+            if f"{_prefix(k)}.param_groups" not in keys:
+                raise CheckpointError(
+                    f"{path} holds no state for optimizer {k} (saved with fewer optimizers, "
+                    "or without optimizer=)"
+                )
+            optim_dest, apply_optim = _optim_dest(model, opt, keys, after, _prefix(k))
             dest.update(optim_dest)
+            applies.append(apply_optim)
         dest[extra_key] = None
         dcp.load(
             dest,
@@ -269,7 +315,7 @@ def load_checkpoint(
         )
     for fn in after:
         fn()
-    if apply_optim is not None:  # first: it checks the param groups before loading anything
+    for apply_optim in applies:  # first: each checks its param groups before loading
         apply_optim(dest)
     apply_model()
     return dest[extra_key]
@@ -317,7 +363,8 @@ def _model_dest(model: nn.Module, keys: dict, after: list[Callable]):
     scratch = {id(f): torch.zeros_like(f.shard.detach()) for f, _ in slots.values()}
     dest: dict[str, Any] = {}
     for key, (flat, i) in slots.items():
-        dest[f"model.{key}"] = _load_dest(flat, i, scratch[id(flat)], after)
+        local = _of(scratch[id(flat)])
+        dest[f"model.{key}"] = _load_dest(flat, i, local, flat.shard.dtype, after)
     for key, (tensor, dtype) in tensors.items():
         dest[f"model.{key}"] = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
 
@@ -334,44 +381,63 @@ def _model_dest(model: nn.Module, keys: dict, after: list[Callable]):
     return dest, apply
 
 
-def _optim_dest(model: nn.Module, optimizer: torch.optim.Optimizer, keys: dict, after: list):
+def _optim_dest(
+    model: nn.Module, optimizer: torch.optim.Optimizer, keys: dict, after: list, prefix: str
+):
     entries = _optim.optimizer_entries(model, optimizer)
     kinds: dict[str, dict[str, tuple]] = {}
     for key, md in keys.items():
-        if key.startswith("optim.state."):
-            name, state_key = key.removeprefix("optim.state.").rsplit(".", 1)
+        if key.startswith(f"{prefix}.state."):
+            name, state_key = key.removeprefix(f"{prefix}.state.").rsplit(".", 1)
             kind = ("tensor", tuple(md.size), md.properties.dtype, None)
             is_tensor = isinstance(md, TensorStorageMetadata)
             kinds.setdefault(name, {})[state_key] = kind if is_tensor else ("value", None)
+    held = _optim.held_names(model, optimizer, entries)
     try:
-        _optim.check_known(entries, kinds)
-        layouts = [_optim.flat_state_keys(e, kinds) for e in entries]
+        _optim.check_known(held, kinds)
+        layouts = [_optim.entry_state_keys(e, kinds) for e in entries]
     except RuntimeError as exc:
         raise CheckpointError(str(exc)) from None
-    dest: dict[str, Any] = {"optim.param_groups": None}
-    per_flat: list[dict[str, Any]] = []
+    groups_key = f"{prefix}.param_groups"
+    dest: dict[str, Any] = {groups_key: None}
+    per_entry: list[dict[str, Any]] = []
     for e, layout in zip(entries, layouts, strict=True):
         state: dict[str, Any] = {}
         for key, (sharded, dtype, _) in layout.items():
             if sharded:
-                state[key] = torch.zeros_like(e.flat.shard.detach(), dtype=dtype)
-                for i, name in enumerate(e.names):
-                    dest[f"optim.state.{name}.{key}"] = _load_dest(e.flat, i, state[key], after)
+                state[key] = torch.zeros(e.param.shape, dtype=dtype, device=e.param.device)
             else:
-                md = keys[f"optim.state.{e.names[0]}.{key}"]
+                item = f"{prefix}.state.{e.names[0]}.{key}"
+                md = keys[item]
                 is_tensor = isinstance(md, TensorStorageMetadata)
                 value = torch.empty(md.size, dtype=md.properties.dtype) if is_tensor else None
-                dest[f"optim.state.{e.names[0]}.{key}"] = value
-                state[key] = f"optim.state.{e.names[0]}.{key}"  # filled in after the load
-        per_flat.append(state)
+                dest[item] = value
+                state[key] = item  # filled in after the load
+        per_entry.append(state)
+    names = param_names(model)
+    for flat in flat_params(model):
+        for key, (dtype, present) in _optim.saved_sharded_keys(flat, names, kinds).items():
+            mine = [
+                (e, state)
+                for e, layout, state in zip(entries, layouts, per_entry, strict=True)
+                if e.flat is flat and layout.get(key, (False,))[0]
+            ]
+            segments = [(e.at, state[key].view(-1)) for e, state in mine]
+            local = functools.partial(_optim.shard_view, segments)
+            held_here = {n for e, _ in mine for n in e.names}
+            for i in present:
+                name = names[id(flat.slots[i])]
+                if name in held_here:
+                    dest[f"{prefix}.state.{name}.{key}"] = _load_dest(flat, i, local, dtype, after)
 
     def apply(loaded: dict[str, Any]) -> None:
-        for layout, state in zip(layouts, per_flat, strict=True):
+        for layout, state in zip(layouts, per_entry, strict=True):
             for key, (sharded, _, _) in layout.items():
                 if not sharded:
                     state[key] = loaded[state[key]]
         try:
-            _optim.apply_shard_state(optimizer, entries, per_flat, loaded["optim.param_groups"])
+            _optim.check_groups(held, loaded[groups_key])
+            _optim.apply_shard_state(optimizer, entries, per_entry, loaded[groups_key])
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
 

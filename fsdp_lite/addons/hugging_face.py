@@ -44,7 +44,6 @@ from fsdp_lite.addons.state_dict import (
     expected_shapes,
     flat_params,
     is_rank0,
-    shard_pieces,
     state_dict_layout,
     validate_keys,
 )
@@ -376,7 +375,7 @@ def load_pretrained(
         }
         for flat in flat_params(model):
             flat.reshard()  # full params kept by reshard_after_forward=False would go stale
-            for i, lo, hi, at in shard_pieces(flat):
+            for i, lo, hi, at in flat.pieces():
                 key = source.get((id(flat), i))
                 if key is not None:
                     _read_piece(files[where[key]], key, flat, i, lo, hi, at)

@@ -1,28 +1,32 @@
 """Optimizer state keyed by original parameter names, with original shapes.
 
-The optimizer of an ``FSDPModule`` steps the shards, so its state (AdamW's ``exp_avg``,
-``exp_avg_sq``) is shard-shaped and 1-D. Here it is translated to and from the
-unwrapped model's view: ``{"state": {name: {"step": t, "exp_avg": Tensor[shape], ...}},
-"param_groups": [{"lr": ..., "params": [name, ...]}, ...]}`` -- ``Optimizer.state_dict()``
-of the plain model with parameter names in place of indices, which does not depend on
-the world size.
+An optimizer over an ``FSDPModule`` steps shards or pieces of them, so its state
+(AdamW's ``exp_avg``, Muon's ``momentum_buffer``) is shaped like them. Here it is
+translated to and from the unwrapped model's view: ``{"state": {name: {"step": t,
+"exp_avg": Tensor[shape], ...}}, "param_groups": [{"lr": ..., "params": [name, ...]},
+...]}`` -- ``Optimizer.state_dict()`` of the plain model with parameter names in place of
+indices, which depends neither on the world size nor on the layout.
 
-[Note: param groups hold whole flat params]
-A flat param is one optimizer parameter, so it sits in exactly one param group and
-every original parameter inside it shares that group's hyperparameters. A flat param
-holds one unit's parameters of one (dtype, requires_grad, compute dtype): a Linear's
-weight and bias land together. To give norms no weight decay, make them their own
-units (``wrap.by_type(Block, nn.LayerNorm)``) and put those units' shards in their own
-group. A saved group records its hyperparameters and the names of its parameters;
-loading requires each group of the target optimizer to hold exactly those names
-(same wrapping, any world size) and raises naming the difference otherwise.
+[Note: what an optimizer parameter covers]
+By default an optimizer parameter is a flat param's shard: a run of every original
+parameter of the flat param, all sharing one param group (a Linear's weight and bias
+land together). With ``use_orig_params`` or ``whole_params`` it is one original
+parameter's piece on this rank (``FlatParam.orig_params``), so groups are per
+parameter. Either way it is the run ``[at, at + numel)`` of the shard (an ``Entry``).
+Ranks may hold different parameters -- with ``whole_params`` each rank owns its own, and
+an optimizer may hold nothing of a unit on some rank -- so every collective here walks
+the model's flat params (the same on every rank), after one exchange of objects that
+tells every rank which names, keys and groups exist (``exchange``).
 
 [Note: which state is sharded]
-A state tensor of the shard's shape (1-D, ``shard_numel``) is sharded: it is gathered
-and cut into original-shape tensors per parameter. Anything else (``step``, 0-dim
-tensors, Python numbers) is per flat param and copied to each of its parameters.
-Loading reverses this (``flat_state_keys``): a key whose value is a tensor of the
-parameter's shape for every parameter of a flat param is sharded.
+A state tensor of its parameter's shape (the shard's, or the piece's) is sharded: it is
+gathered and cut into original-shape tensors per parameter. Anything else (``step``,
+0-dim tensors, Python numbers) is per optimizer parameter and copied to each original
+parameter it covers. Loading reverses this (``entry_state_keys``): a key whose value is
+a tensor of the parameter's shape for every parameter an entry covers is sharded. A
+saved group records its hyperparameters and the names of its parameters; loading
+requires the target optimizer's groups to hold exactly those names over all ranks (any
+world size, either layout) and raises naming the difference otherwise.
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ from fsdp_lite.addons.state_dict import (
     flat_params,
     is_rank0,
     param_names,
-    write_shard,
 )
 from fsdp_lite.core import collectives
 from fsdp_lite.core.flat_param import FlatParam
@@ -50,45 +53,156 @@ OptimStateDict = dict[str, Any]
 
 
 @dataclass
-class FlatEntry:
-    """One optimizer parameter (a shard) and what it stands for."""
+class Entry:
+    """One optimizer parameter (a shard or a piece of one) and what it covers."""
 
+    param: torch.Tensor
     flat: FlatParam
-    names: list[str]  # the original parameter name of each slot
+    at: int  # where ``param`` starts in the shard
+    slots: list[int]  # the flat param's slots it covers (a piece: one; a shard: all)
+    names: list[str]  # their original names
     group: int  # index into optimizer.param_groups
-    state: dict[str, Any]  # this rank's optimizer state of flat.shard (shard-shaped tensors)
+    state: dict[str, Any]  # this rank's optimizer state of ``param``
 
 
-def optimizer_entries(root: nn.Module, optimizer: torch.optim.Optimizer) -> list[FlatEntry]:
-    """The optimizer's parameters in its own order, each matched to its flat param."""
-    by_shard = {id(f.shard): f for f in flat_params(root)}
+def optimizer_entries(root: nn.Module, optimizer: torch.optim.Optimizer) -> list[Entry]:
+    """The optimizer's parameters in its own order, each matched to what it covers."""
     names = param_names(root)
+    where: dict[int, tuple[FlatParam, int, list[int]]] = {}
+    for flat in flat_params(root):
+        where[id(flat.shard)] = (flat, 0, list(range(len(flat.slots))))
+        for o in flat.orig_params or ():
+            where[id(o.param)] = (flat, o.at, [o.slot])
     entries = []
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            flat = by_shard.get(id(p))
-            if flat is None:
+            found = where.get(id(p))
+            if found is None:
                 raise ValueError(
                     f"optimizer param group {gi} holds a parameter of shape {tuple(p.shape)} "
-                    "that is not a shard of this model: build the optimizer from "
+                    "that is not a parameter of this model: build the optimizer from "
                     "model.parameters() after wrapping"
                 )
-            state = optimizer.state.get(p, {})
-            entries.append(FlatEntry(flat, [names[id(s)] for s in flat.slots], gi, state))
+            flat, at, slots = found
+            slot_names = [names[id(flat.slots[i])] for i in slots]
+            entries.append(Entry(p, flat, at, slots, slot_names, gi, optimizer.state.get(p, {})))
     return entries
 
 
-def is_sharded(value: Any, flat: FlatParam) -> bool:
-    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat.shard_numel
+def is_sharded(key: str, value: Any, e: Entry) -> bool:
+    """A state value shaped like its parameter (``step`` never is: it counts steps)."""
+    return torch.is_tensor(value) and key != "step" and value.shape == e.param.shape
 
 
-def group_records(optimizer: torch.optim.Optimizer, entries: list[FlatEntry]) -> list[dict]:
-    """Each param group's hyperparameters, with the names of its parameters as ``params``."""
+@dataclass
+class Exchanged:
+    """What every rank learns of one optimizer from every rank (see Note)."""
+
+    kinds: dict[str, dict[str, tuple]]  # name -> key -> ("sharded", dtype) | ("value", v)
+    groups: list[dict]  # each group's hyperparameters and the names of its parameters
+
+
+def exchange(root: nn.Module, optimizer: torch.optim.Optimizer, entries: list[Entry]) -> Exchanged:
+    """Collective (one object all-gather): every rank's state keys and groups, merged; the
+    same answer on every rank. Raises where ranks disagree about a parameter they both
+    hold a piece of (different keys: different optimizers, or a rank that never stepped)."""
+    mine: dict[str, dict[str, tuple]] = {}
+    for e in entries:
+        for name in e.names:
+            kinds = mine.setdefault(name, {})
+            for key, value in e.state.items():
+                if is_sharded(key, value, e):
+                    kinds[key] = ("sharded", value.dtype)
+                elif torch.is_tensor(value):
+                    kinds[key] = ("value", value.detach().to("cpu", copy=True))
+                else:
+                    kinds[key] = ("value", value)
+    records = group_records(optimizer, entries)
+    everyone = collectives.all_gather_object((mine, records), root.process_group)
+    if len({len(r) for _, r in everyone}) > 1:
+        raise RuntimeError(
+            "optimizer param groups differ between ranks (counts "
+            f"{[len(r) for _, r in everyone]}): build the same groups on every rank"
+        )
+    kinds: dict[str, dict[str, tuple]] = {}
+    for r, (theirs, _) in enumerate(everyone):
+        for name, their_kinds in theirs.items():
+            if name in kinds and set(kinds[name]) != set(their_kinds):
+                raise RuntimeError(
+                    f"optimizer state of '{name}' differs between ranks holding it (keys "
+                    f"{sorted(kinds[name])} and, on rank {r}, {sorted(their_kinds)}): every "
+                    "rank must step the same optimizer over the same parameters"
+                )
+            kinds.setdefault(name, dict(their_kinds))
+    names = param_names(root)
+    _check_holders(root, names, kinds, [set(theirs) for theirs, _ in everyone])
+    order = list(names.values())
+    groups = []
+    for gi, record in enumerate(everyone[0][1]):
+        held = {n for _, records in everyone for n in records[gi]["params"]}
+        groups.append({**record, "params": [n for n in order if n in held]})
+    return Exchanged(kinds, groups)
+
+
+def _check_holders(
+    root: nn.Module, names: dict[int, str], kinds: dict, reported: list[set[str]]
+) -> None:
+    """Every rank whose shard holds part of a parameter with sharded state must hold it in
+    this optimizer too: else its part would be missing (or its boxes unreadable)."""
+    for flat in flat_params(root):
+        for slot in flat.slots:
+            name = names[id(slot)]
+            if not any(k[0] == "sharded" for k in kinds.get(name, {}).values()):
+                continue
+            for q in range(len(reported)):
+                start, end = flat.rank_range(q)
+                holds = max(start, slot.offset) < min(end, slot.offset + slot.numel)
+                if holds and name not in reported[q]:
+                    raise RuntimeError(
+                        f"rank {q} holds part of '{name}' but its optimizer does not step it, "
+                        "while other ranks' do: build the same optimizers (the same rule for "
+                        "param groups) on every rank"
+                    )
+
+
+def group_records(optimizer: torch.optim.Optimizer, entries: list[Entry]) -> list[dict]:
+    """Each param group's hyperparameters, with the names of its parameters as ``params``
+    (this rank's)."""
     records = []
     for gi, group in enumerate(optimizer.param_groups):
         names = [n for e in entries if e.group == gi for n in e.names]
         records.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
     return records
+
+
+def local_state(flat: FlatParam, key: str, entries: list[Entry]) -> list[tuple[int, torch.Tensor]]:
+    """This rank's state ``key`` over ``flat``'s shard: ``(at, 1-D view)`` per entry."""
+    return [
+        (e.at, e.state[key].detach().reshape(-1))
+        for e in entries
+        if e.flat is flat and key in e.state
+    ]
+
+
+def shard_view(segments: list[tuple[int, torch.Tensor]], start: int, numel: int) -> torch.Tensor:
+    """Elements ``[start, start + numel)`` of the shard from the entry that holds them."""
+    for at, tensor in segments:
+        if at <= start and start + numel <= at + tensor.numel():
+            return tensor[start - at : start - at + numel]
+    raise RuntimeError(
+        f"fsdp_lite: no optimizer state on this rank for shard elements [{start}, "
+        f"{start + numel}): the optimizer does not hold that parameter here"
+    )
+
+
+def sharded_keys(flat: FlatParam, names: dict[int, str], kinds: dict) -> dict[str, torch.dtype]:
+    """The sharded state keys of any parameter of ``flat``, and their dtype."""
+    keys: dict[str, torch.dtype] = {}
+    for slot in flat.slots:
+        for key, kind in kinds.get(names[id(slot)], {}).items():
+            if kind[0] == "sharded":
+                keys.setdefault(key, kind[1])
+    return dict(sorted(keys.items()))
 
 
 # -- full (consolidated) optimizer state dict ---------------------------------------
@@ -104,49 +218,32 @@ def full_optim_state_dict(
     """
     check_idle(root, "produce an optimizer state dict")
     entries = optimizer_entries(root, optimizer)
-    group = root.process_group
-    _check_same_state_layout(entries, group)
+    ex = exchange(root, optimizer, entries)
     keep = not rank0_only or is_rank0(root)
+    names = param_names(root)
     state: dict[str, dict[str, Any]] = {}
-    for e in entries:
-        for key, value in e.state.items():
-            _consolidate(e, key, value, state if keep else None)
+    for flat in flat_params(root):
+        for key, dtype in sharded_keys(flat, names, ex.kinds).items():
+            local = torch.zeros(flat.shard_numel, dtype=dtype, device=flat.shard.device)
+            for at, tensor in local_state(flat, key, entries):
+                local[at : at + tensor.numel()].copy_(tensor)
+            full = torch.empty(flat.padded_numel, dtype=dtype, device=local.device)
+            collectives.all_gather_flat(full, local, flat.group, sizes=flat.sizes)
+            for slot in flat.slots if keep else ():
+                kind = ex.kinds.get(names[id(slot)], {}).get(key)
+                if kind is not None and kind[0] == "sharded":
+                    piece = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    state.setdefault(names[id(slot)], {})[key] = piece.to("cpu", copy=True)
+            del full
     if not keep:
         return {}
-    order = list(param_names(root).values())
-    state = {n: state[n] for n in order if n in state}
-    return {"state": state, "param_groups": group_records(optimizer, entries)}
-
-
-def _consolidate(e: FlatEntry, key: str, value: Any, state: dict | None) -> None:
-    """Cut one state value of a flat param into per-parameter CPU values in ``state``
-    (``None``: only take part in the gather). The gathered copy dies on return."""
-    sharded = is_sharded(value, e.flat)
-    if sharded:
-        full = torch.empty(e.flat.padded_numel, dtype=value.dtype, device=value.device)
-        collectives.all_gather_flat(full, value.detach(), e.flat.group)
-    if state is None:
-        return
-    for slot, name in zip(e.flat.slots, e.names, strict=True):
-        if sharded:
-            piece = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-            state.setdefault(name, {})[key] = piece.to("cpu", copy=True)
-        elif torch.is_tensor(value):
-            state.setdefault(name, {})[key] = value.detach().to("cpu", copy=True)
-        else:
-            state.setdefault(name, {})[key] = value
-
-
-def _check_same_state_layout(entries: list[FlatEntry], group: collectives.ProcessGroup) -> None:
-    """Every rank must hold the same state keys, or the per-key gathers would hang."""
-    mine = [sorted(e.state) for e in entries]
-    layouts = collectives.all_gather_object(mine, group)
-    for r, layout in enumerate(layouts):
-        if layout != mine:
-            raise RuntimeError(
-                f"optimizer state differs between ranks (this rank {mine}, rank {r} {layout}): "
-                "every rank must step the same optimizer over the same model"
-            )
+    for name, kinds in ex.kinds.items():
+        for key, kind in kinds.items():
+            if kind[0] == "value":
+                state.setdefault(name, {})[key] = copy.deepcopy(kind[1])
+    order = list(names.values())
+    state = {n: dict(sorted(state[n].items())) for n in order if n in state}
+    return {"state": state, "param_groups": ex.groups}
 
 
 @torch.no_grad()
@@ -158,9 +255,10 @@ def load_full_optim_state_dict(
 ) -> None:
     """Load a full, name-keyed optimizer state dict into the sharded ``optimizer``.
 
-    Works at any world size. Without ``rank0_only`` every rank passes the same dict and
-    nothing is communicated; with it only rank 0's dict is read and each state tensor is
-    broadcast one flat param at a time. Load the model's parameters separately.
+    Works at any world size and into either layout. Without ``rank0_only`` every rank
+    passes the same dict; with it only rank 0's dict is read and each state tensor is
+    broadcast one flat param at a time. One object all-gather checks the param groups
+    over all ranks. Load the model's parameters separately.
     """
     check_idle(root, "load an optimizer state dict")
     entries = optimizer_entries(root, optimizer)
@@ -171,34 +269,83 @@ def load_full_optim_state_dict(
     if isinstance(layout, Exception):
         raise layout
     groups, kinds = layout
-    check_known(entries, kinds)
-    check_groups(optimizer, entries, groups)
-    layouts = [flat_state_keys(e, kinds) for e in entries]  # all checks before any write
-    per_flat = []
+    held = held_names(root, optimizer, entries)
+    check_known(held, kinds)
+    check_groups(held, groups)
+    layouts = [entry_state_keys(e, kinds) for e in entries]  # all checks before any write
+    per_entry: list[dict[str, Any]] = []
     for e, keys in zip(entries, layouts, strict=True):
-        state: dict[str, Any] = {}
+        state = {}
         for key, (sharded, dtype, value) in keys.items():
-            if not sharded:  # a copy per flat param: AdamW increments step in place
-                state[key] = copy.deepcopy(value)
-                continue
-            values = {i: osd["state"][n][key] for i, n in enumerate(e.names)} if is_source else {}
+            # a copy per entry: AdamW increments step in place
+            state[key] = (
+                _state_tensor(optimizer, e, key, dtype) if sharded else copy.deepcopy(value)
+            )
+        per_entry.append(state)
+    names = param_names(root)
+    for flat in flat_params(root):
+        for key, (dtype, present) in saved_sharded_keys(flat, names, kinds).items():
+            if is_source:
+                values = {i: osd["state"][names[id(flat.slots[i])]][key] for i in present}
+            else:
+                values = {}
             if rank0_only:
-                values = broadcast_slots(root, e.flat, values, list(range(len(e.names))), dtype)
-            state[key] = _state_tensor(optimizer, e, key, dtype)
-            write_shard(state[key], e.flat, values)
-        per_flat.append(state)
-    apply_shard_state(optimizer, entries, per_flat, groups)
+                values = broadcast_slots(root, flat, values, present, dtype)
+            for e, keys, state in zip(entries, layouts, per_entry, strict=True):
+                if e.flat is flat and keys.get(key, (False,))[0]:
+                    write_entry(state[key], e, values)
+    apply_shard_state(optimizer, entries, per_entry, groups)
+
+
+def saved_sharded_keys(
+    flat: FlatParam, names: dict[int, str], kinds: dict
+) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """key -> (dtype, slot indices) for keys saved for parameters of ``flat`` as tensors
+    of the parameter's shape (sorted: the same order on every rank)."""
+    keys: dict[str, tuple[torch.dtype, list[int]]] = {}
+    for i, slot in enumerate(flat.slots):
+        for key, kind in kinds.get(names[id(slot)], {}).items():
+            if key != "step" and kind[0] == "tensor" and tuple(kind[1]) == tuple(slot.shape):
+                keys.setdefault(key, (kind[2], []))[1].append(i)
+    return dict(sorted(keys.items()))
+
+
+def write_entry(target: torch.Tensor, e: Entry, values: dict[int, torch.Tensor]) -> None:
+    """Copy this rank's part of each covered slot's full value (``values[slot index]``)
+    into ``target``, the entry-shaped state tensor."""
+    flat_target = target.view(-1)
+    end = e.at + flat_target.numel()
+    for i, lo, hi, at in e.flat.pieces():
+        if i in values and i in e.slots and e.at <= at < end:
+            flat_target[at - e.at : at - e.at + hi - lo].copy_(values[i].reshape(-1)[lo:hi])
+
+
+def held_names(
+    root: nn.Module, optimizer: torch.optim.Optimizer, entries: list[Entry]
+) -> list[set[str]]:
+    """Per param group, the names the optimizer holds on any rank (collective)."""
+    mine = [
+        {n for e in entries if e.group == gi for n in e.names}
+        for gi in range(len(optimizer.param_groups))
+    ]
+    everyone = collectives.all_gather_object(mine, root.process_group)
+    if len({len(groups) for groups in everyone}) > 1:
+        raise ValueError(
+            f"optimizer param groups differ between ranks (counts {[len(g) for g in everyone]}): "
+            "build the same groups on every rank"
+        )
+    return [set().union(*(groups[gi] for groups in everyone)) for gi in range(len(mine))]
 
 
 def _state_tensor(
-    optimizer: torch.optim.Optimizer, e: FlatEntry, key: str, dtype: torch.dtype
+    optimizer: torch.optim.Optimizer, e: Entry, key: str, dtype: torch.dtype
 ) -> torch.Tensor:
     """Where to load a sharded state value: the optimizer's own tensor when it has a
     matching one (no second copy of the optimizer state), else a new one."""
-    current = optimizer.state.get(e.flat.shard, {}).get(key)
-    if torch.is_tensor(current) and current.shape == e.flat.shard.shape and current.dtype == dtype:
+    current = optimizer.state.get(e.param, {}).get(key)
+    if torch.is_tensor(current) and current.shape == e.param.shape and current.dtype == dtype:
         return current
-    return torch.zeros(e.flat.shard_numel, dtype=dtype, device=e.flat.shard.device)
+    return torch.zeros(e.param.shape, dtype=dtype, device=e.param.device)
 
 
 def _layout_or_error(osd: OptimStateDict) -> tuple | Exception:
@@ -228,13 +375,14 @@ def value_kind(value: Any) -> tuple:
     return ("value", value)
 
 
-def flat_state_keys(
-    e: FlatEntry, kinds: dict[str, dict[str, tuple]]
+def entry_state_keys(
+    e: Entry, kinds: dict[str, dict[str, tuple]]
 ) -> dict[str, tuple[bool, torch.dtype | None, Any]]:
-    """key -> (sharded, dtype, replicated value) for one flat param, from the kinds of its
+    """key -> (sharded, dtype, replicated value) for one entry, from the kinds of its
     parameters' saved state. A key is sharded when every parameter's value is a tensor of
-    that parameter's shape (``step`` of 0-dim parameters excepted); a tensor of positive
-    dimension must have its parameter's shape."""
+    that parameter's shape (``step`` excepted); a tensor of positive dimension must have
+    its parameter's shape."""
+    slots = [e.flat.slots[i] for i in e.slots]
     saved = [kinds.get(n) for n in e.names]
     present = [n for n, s in zip(e.names, saved, strict=True) if s is not None]
     if not present:
@@ -242,13 +390,13 @@ def flat_state_keys(
     if len(present) != len(e.names) or any(set(s) != set(saved[0]) for s in saved):
         raise RuntimeError(
             f"optimizer state covers {present} with keys {[sorted(s or {}) for s in saved]}, "
-            f"but {e.names} share one flat param (one optimizer parameter) and need the same "
+            f"but {e.names} share one optimizer parameter (a flat param's shard) and need the same "
             "keys: a partial optimizer state cannot be loaded"
         )
     keys: dict[str, tuple[bool, torch.dtype | None, Any]] = {}
     for key in saved[0]:
         per_slot = [s[key] for s in saved]
-        for slot, name, kind in zip(e.flat.slots, e.names, per_slot, strict=True):
+        for slot, name, kind in zip(slots, e.names, per_slot, strict=True):
             if kind[0] == "tensor" and len(kind[1]) > 0 and tuple(kind[1]) != tuple(slot.shape):
                 raise RuntimeError(
                     f"optimizer state '{key}' of '{name}' has shape {kind[1]}, "
@@ -256,10 +404,9 @@ def flat_state_keys(
                 )
         shaped = all(
             k[0] == "tensor" and tuple(k[1]) == tuple(s.shape)
-            for k, s in zip(per_slot, e.flat.slots, strict=True)
+            for k, s in zip(per_slot, slots, strict=True)
         )
-        scalar_step = key == "step" and all(len(s.shape) == 0 for s in e.flat.slots)
-        if shaped and not scalar_step:
+        if shaped and key != "step":
             keys[key] = (True, per_slot[0][2], None)
         else:
             first = per_slot[0]
@@ -269,13 +416,17 @@ def flat_state_keys(
 
 def apply_shard_state(
     optimizer: torch.optim.Optimizer,
-    entries: list[FlatEntry],
+    entries: list[Entry],
     per_flat: list[dict[str, Any]],
     saved_groups: list[dict],
 ) -> None:
-    """Check the saved param groups against the optimizer's, then load ``per_flat`` (the
-    shard-shaped state of each entry, in optimizer order) with the saved hyperparameters."""
-    check_groups(optimizer, entries, saved_groups)
+    """Load ``per_flat`` (the state of each entry, in optimizer order) with the saved
+    hyperparameters (the groups were checked by ``check_groups``)."""
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one "
+            f"{len(optimizer.param_groups)}: build the optimizer with the same groups"
+        )
     state, groups, index = {}, [], 0
     for gi, group in enumerate(optimizer.param_groups):
         ids = list(range(index, index + len(group["params"])))
@@ -305,8 +456,8 @@ def _keep_storage(optimizer: torch.optim.Optimizer, params: list, previous: list
                 new_state[key] = old
 
 
-def check_known(entries: list[FlatEntry], names: Any) -> None:
-    unknown = sorted(set(names) - {n for e in entries for n in e.names})
+def check_known(held: list[set[str]], names: Any) -> None:
+    unknown = sorted(set(names) - set().union(*held))
     if unknown:
         raise RuntimeError(
             f"optimizer state for parameters this optimizer does not hold: {unknown[:5]} "
@@ -314,21 +465,19 @@ def check_known(entries: list[FlatEntry], names: Any) -> None:
         )
 
 
-def check_groups(
-    optimizer: torch.optim.Optimizer, entries: list[FlatEntry], saved_groups: list[dict]
-) -> None:
-    if len(saved_groups) != len(optimizer.param_groups):
+def check_groups(held: list[set[str]], saved_groups: list[dict]) -> None:
+    if len(saved_groups) != len(held):
         raise ValueError(
             f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one "
-            f"{len(optimizer.param_groups)}: build the optimizer with the same groups"
+            f"{len(held)}: build the optimizer with the same groups"
         )
-    for gi, saved in enumerate(saved_groups):
-        want = {n for e in entries if e.group == gi for n in e.names}
+    for gi, (saved, want) in enumerate(zip(saved_groups, held, strict=True)):
         got = set(saved["params"])
         if want != got:
             raise ValueError(
                 f"param group {gi} holds different parameters in the checkpoint than in this "
                 f"optimizer (only in the checkpoint: {sorted(got - want)[:4]}, only here: "
-                f"{sorted(want - got)[:4]}). Build the groups from the same parameters; "
-                "fsdp_lite puts each flat param (a unit's parameters of one dtype) in one group"
+                f"{sorted(want - got)[:4]}). Build the groups from the same parameters; by "
+                "default fsdp_lite puts each flat param (a unit's parameters of one dtype) in "
+                "one group (use_orig_params=True: per parameter)"
             )

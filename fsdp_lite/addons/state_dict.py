@@ -83,20 +83,6 @@ def broadcast_object_from_rank0(root: nn.Module, obj: Any) -> Any:
 # -- where a rank's shard sits in the original parameters -------------------------
 
 
-def shard_pieces(flat: FlatParam, rank: int | None = None) -> Iterator[tuple[int, int, int, int]]:
-    """``(slot index, lo, hi, at)``: elements ``[lo, hi)`` of that slot's flattened value
-    live at ``shard[at : at + hi - lo]`` on ``rank`` (default: this rank).
-
-    Worked example, W=2, slots a (6 elements) and b (3), shard_numel 5: rank 0 holds
-    ``(0, 0, 5, 0)``; rank 1 holds ``(0, 5, 6, 0)`` and ``(1, 0, 3, 1)``, then 1 padding.
-    """
-    start, end = flat.rank_range(rank)
-    for i, slot in enumerate(flat.slots):
-        lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
-        if lo < hi:
-            yield i, lo - slot.offset, hi - slot.offset, lo - start
-
-
 def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple, int]]:
     """Elements ``[lo, hi)`` of a row-major tensor of ``shape`` as rectangular boxes
     ``(offsets, sizes, first flat index)``, each contiguous in memory.
@@ -134,7 +120,7 @@ def write_shard(shard: torch.Tensor, flat: FlatParam, values: dict[int, torch.Te
     shape with the slot's numel) into the shard-shaped ``shard``; other slots keep theirs."""
     if shard is flat.shard:
         flat.home.before_host_write(flat)
-    for i, lo, hi, at in shard_pieces(flat):
+    for i, lo, hi, at in flat.pieces():
         if i in values:
             shard[at : at + hi - lo].copy_(values[i].reshape(-1)[lo:hi])
 

@@ -363,7 +363,7 @@ class FlatParam:
                 param.__dict__[_SHARD_ATTR] = (self.world_size, self.replicas)
                 if not whole:
                     param.__dict__[_PARTIAL_ATTR] = slot.shape
-                origs.append(OrigParam(slot.name, at, numel, param))
+                origs.append(OrigParam(slot.name, i, at, numel, param))
         self.orig_params = origs
         return origs
 
@@ -581,6 +581,7 @@ class OrigParam:
     """One original parameter's piece on this rank, as the optimizer sees it."""
 
     name: str  # the parameter's name in the unit's module
+    slot: int  # its index in the flat param's slots
     at: int  # where the piece starts in the shard
     numel: int
     param: nn.Parameter  # a view of shard[at : at + numel] (its grad: of the shard grad's)

@@ -19,7 +19,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import fsdp_lite
 from fsdp_lite.addons import hugging_face as hf_checkpoint
-from fsdp_lite.addons.state_dict import flat_params, shard_pieces, state_dict_layout
+from fsdp_lite.addons.state_dict import flat_params, state_dict_layout
 from fsdp_lite.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -223,7 +223,7 @@ def reads_own_ranges(rank: int, tmp: str) -> None:
     slots, _ = state_dict_layout(model)
     mine: dict[str, int] = {}
     for flat in flat_params(model):
-        for i, lo, hi, _ in shard_pieces(flat):
+        for i, lo, hi, _ in flat.pieces():
             key = next(k for k, (f, j) in slots.items() if f is flat and j == i)
             mine[key] = mine.get(key, 0) + hi - lo
     assert whole == [], whole

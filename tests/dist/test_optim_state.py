@@ -98,7 +98,7 @@ def _errors(model, opt, want, rank: int) -> None:
         bad = {"exp_avg": 1} if rank == 0 else {}
         fsdp_lite.load_full_optim_state_dict(model, opt, bad, rank0_only=True)
     other = wrap_blocks(gpt())
-    with pytest.raises(ValueError, match="not a shard of this model"):
+    with pytest.raises(ValueError, match="not a parameter of this model"):
         fsdp_lite.full_optim_state_dict(model, torch.optim.AdamW(other.parameters()))
 
 
