@@ -71,6 +71,36 @@ def fp32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
     return x.T if tall else x
 
 
+def llama_muon(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """Llama: Muon on the decoder layers' matrices, AdamW on embeddings, head and norms."""
+    named = list(model.named_parameters())
+    mats = [p for n, p in named if p.ndim == 2 and ".layers." in n]
+    rest = [p for n, p in named if not (p.ndim == 2 and ".layers." in n)]
+    return [torch.optim.Muon(mats, lr=0.02), torch.optim.AdamW(rest, lr=1e-3, eps=1e-6)]
+
+
+def wrap_llama(model: torch.nn.Module, **kw) -> fsdp_lite.FSDPModule:
+    layers = fsdp_lite.wrap.by_type(*fsdp_lite.wrap.transformer_layers(model))
+    policy = fsdp_lite.wrap.any_of(layers, fsdp_lite.wrap.embeddings_and_head(model))
+    return fsdp_lite.FSDPModule(model, auto_wrap_policy=policy, **kw)
+
+
+def _llama_runs(world: int) -> list:
+    from hf_cases import hf_run, llama
+
+    bf16 = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16)
+    return [
+        hf_run(f"llama muon, whole params W={world}", world, llama, optimizers=llama_muon,
+               wrap=functools.partial(wrap_llama, whole_params=True)),
+        hf_run(f"llama muon, whole params W={world}", world, llama, "bf16",
+               optimizers=llama_muon,
+               wrap=functools.partial(wrap_llama, whole_params=True, mixed_precision=bf16)),
+        hf_run(f"llama decay groups, default layout W={world}", world,
+               functools.partial(llama, tie=True), optimizers=decay_groups,
+               wrap=functools.partial(wrap_llama, use_orig_params=True)),
+    ]  # fmt: skip
+
+
 def _runs(world: int, tmp: str) -> list:
     dropout_gpt = functools.partial(gpt, dropout=0.1)
     orig = functools.partial(wrap_blocks, use_orig_params=True)
@@ -121,7 +151,7 @@ def _train(rank: int, world: int, tmp: str) -> dict:
     stock = torch.optim._muon._zeropower_via_newtonschulz
     torch.optim._muon._zeropower_via_newtonschulz = fp32_newton_schulz
     try:
-        results = compare_runs(_runs(world, tmp))
+        results = compare_runs(_runs(world, tmp) + _llama_runs(world))
     finally:
         torch.optim._muon._zeropower_via_newtonschulz = stock
     stock_ns = gpt_run("muon, whole params, torch's bf16 Newton-Schulz", world, "bf16",
