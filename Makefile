@@ -58,7 +58,7 @@ lint: venv
 # the step at W=2 (ARGS go to it), host overhead per unit, per-rank memory at W=8/64/512,
 # and compiled vs eager blocks. Each part also runs alone: make bench-host, ...
 #   make bench [ARGS='--steps 10 --precisions fp32']
-.PHONY: bench bench-step bench-host bench-scale bench-compile bench-lora
+.PHONY: bench bench-step bench-host bench-scale bench-compile bench-lora bench-muon
 bench: bench-step bench-host bench-scale bench-compile
 
 bench-step: venv
@@ -78,3 +78,8 @@ bench-compile: venv
 # Backward peak memory, full fine-tuning vs a frozen base with LoRA (same Llama, W=2).
 bench-lora: venv
 	$(BIN)/python scripts/bench_lora.py $(ARGS)
+
+# Muon on whole params vs FSDP2 + a gathering Muon, W=2 gloo and W=8 fake PG; prints
+# markdown tables, writes nothing (~3 min):  make bench-muon [ARGS='--rounds 5']
+bench-muon: venv
+	$(BIN)/python scripts/bench_muon.py $(ARGS)

@@ -99,7 +99,7 @@ class FSDPModule(nn.Module):
         whole_params: bool = False,
         _defer_params: frozenset[int] = frozenset(),
         _init_plan: deferred_init.InitPlan | None = None,
-        _owners: dict[int, int] | None = None,
+        _owners: dict[ownership.Location, int] | None = None,
     ) -> None:
         check_wrappable(module, mixed_precision, prefetch, offload)
         collectives.require_initialized()
@@ -127,8 +127,7 @@ class FSDPModule(nn.Module):
         if _init_plan is None and deferred_init.has_meta_tensors(module):
             _init_plan = self._plan_deferred_init(module, param_init_fn)
         if whole_params and _owners is None:  # the outermost unit plans for its whole tree
-            params = [p for _, _, p in unowned_parameters(module)]
-            _owners = ownership.plan_owners(params, self.process_group)
+            _owners = ownership.plan_owners(list(unowned_parameters(module)), self.process_group)
         if auto_wrap_policy is not None:
             make_unit = functools.partial(
                 _wrap_child,

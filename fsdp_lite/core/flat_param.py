@@ -184,8 +184,8 @@ class FlatParam:
         # use_orig_params / whole_params: what the optimizer sees instead of the shard (see
         # make_orig_params), and the shard grad their grads were last pointed into.
         self.orig_params: list[OrigParam] | None = None
-        self._linked_grad: torch.Tensor | None = None
-        self._linked_views: list[torch.Tensor] | None = None
+        self._linked_grad: weakref.ref | None = None
+        self._linked_views: list[weakref.ref] | None = None
         global _step_hook
         if _step_hook is None:
             _step_hook = register_optimizer_step_post_hook(_count_step)
@@ -377,48 +377,56 @@ class FlatParam:
     def grad(self) -> torch.Tensor | None:
         """The shard's gradient as the optimizer's parameters define it (orig params:
         regions whose grads were set to None read as zero; none at all when all were)."""
-        self.sync_orig_grads()
-        return self.shard.grad
+        return self.sync_orig_grads()
 
-    def sync_orig_grads(self) -> None:
-        """Make the orig params' grads and the shard grad one again: fold in what was done
-        to the former since they were last pointed into the latter (``zero_grad`` set
-        them to None: zero, or drop the shard grad if every one is None; a tensor assigned
-        to one: copied in), then point each at its region of the shard grad. Before each
-        accumulation, at the end of backward and before any read of the shard grad."""
+    def sync_orig_grads(self) -> torch.Tensor | None:
+        """Orig params: make their grads and the shard grad one again, and return it.
+
+        Between backwards the orig params' grads are views of one shard-shaped tensor that
+        only they hold (``shard.grad`` is None, this keeps weak references), so
+        ``zero_grad(set_to_none=True)`` frees it as it would a plain model's grads. Here
+        what was done to them since is folded in -- a grad set to None reads as zero, an
+        assigned tensor is copied in -- and each is pointed at its region again. Called
+        before each accumulation (``accumulate``), at the end of backward and by readers.
+        """
         origs = self.orig_params
         if origs is None:
-            return
-        grad = self.shard.grad
-        if grad is not None and grad is self._linked_grad:
+            return self.shard.grad
+        grad = self.shard.grad if self.shard.grad is not None else _deref(self._linked_grad)
+        stale: list[tuple[OrigParam, torch.Tensor | None]] = []
+        if grad is not None and grad is _deref(self._linked_grad):
+            views = [_deref(v) for v in self._linked_views or ()]
             stale = [
                 (o, o.param.grad)
-                for o, v in zip(origs, self._linked_views, strict=True)
-                if o.param.grad is not v
+                for o, v in zip(origs, views, strict=True)
+                if v is None or o.param.grad is not v
             ]
             if not stale:
-                return
-            if len(stale) == len(origs) and all(g is None for _, g in stale):
-                grad = self.shard.grad = None  # zero_grad(set_to_none=True)
-                stale = []
-        else:  # a new shard grad, or none: keep only grads assigned while there was none
-            stale = [(o, o.param.grad) for o in origs if grad is None and o.param.grad is not None]
+                self.shard.grad = None
+                return grad
+        elif grad is None:  # none yet, or every one was dropped: keep any assigned since
+            stale = [(o, o.param.grad) for o in origs if o.param.grad is not None]
             if stale:
-                grad = self.shard.grad = torch.zeros_like(self.shard.detach())
+                grad = torch.zeros_like(self.shard.detach())
         with torch.no_grad():
-            for o, g in stale:
+            for o, g in stale if grad is not None else ():
                 region = grad[o.at : o.at + o.numel]
                 region.zero_() if g is None else region.copy_(g.reshape(-1))
-        self._linked_grad, self._linked_views = grad, None
+        self.shard.grad = None
+        self._linked_grad = self._linked_views = None
         if grad is not None:
-            self._linked_views = [grad[o.at : o.at + o.numel].view(o.param.shape) for o in origs]
-            for o, view in zip(origs, self._linked_views, strict=True):
+            views = [grad[o.at : o.at + o.numel].view(o.param.shape) for o in origs]
+            for o, view in zip(origs, views, strict=True):
                 o.param.grad = view
+            self._linked_grad = weakref.ref(grad)
+            self._linked_views = [weakref.ref(v) for v in views]
+        return grad
 
     def accumulate(self, grad: torch.Tensor) -> None:
         """Add a reduced shard grad (compute device, reduce dtype) to the shard's fp32 grad,
-        in its home."""
-        self.sync_orig_grads()
+        in its home (orig params: pointed at again at the end of backward)."""
+        if self.orig_params is not None:
+            self.shard.grad = self.sync_orig_grads()
         self.home.accumulate_grad(self, grad)
 
     def load_full(self, flat: torch.Tensor) -> None:
@@ -549,6 +557,10 @@ def _build_shard(
             piece = p.detach().reshape(-1)[lo - slot.offset : hi - slot.offset]
             shard[lo - start : hi - start].copy_(piece)
     return shard
+
+
+def _deref(ref: weakref.ref | None) -> Any:
+    return None if ref is None else ref()
 
 
 def _even_bounds(numel: int, world_size: int) -> list[int]:

@@ -28,15 +28,21 @@ def master_nbytes(p: nn.Parameter) -> int:
     return p.numel() * master_dtype(p.dtype).itemsize
 
 
-def plan_owners(params: list[nn.Parameter], group: collectives.ProcessGroup) -> dict[int, int]:
-    """``id(param) -> rank`` for ``params`` (ties once), balanced with everything wrapped on
-    ``group`` before; the same answer on every rank of ``group`` (every rank wraps the
-    same modules in the same order)."""
+Location = tuple[int, str]  # (id(module), attribute): survives deferred init's new tensors
+
+
+def plan_owners(
+    params: list[tuple[nn.Module, str, nn.Parameter]], group: collectives.ProcessGroup
+) -> dict[Location, int]:
+    """The owning rank of each ``(module, attr, param)`` location (a tie's locations
+    share one), balanced with everything wrapped on ``group`` before; the same answer on
+    every rank of ``group`` (every rank wraps the same modules in the same order)."""
     size = collectives.world_size(group)
     owned = _OWNED.setdefault((collectives.group_key(group), size), [0] * size)
-    unique = list({id(p): p for p in params}.values())
+    unique = list({id(p): p for _, _, p in params}.values())
     ranks = assign([master_nbytes(p) for p in unique], owned)
-    return {id(p): r for p, r in zip(unique, ranks, strict=True)}
+    rank_of = {id(p): r for p, r in zip(unique, ranks, strict=True)}
+    return {(id(sub), attr): rank_of[id(p)] for sub, attr, p in params}
 
 
 def assign(sizes: list[int], owned: list[int]) -> list[int]:
@@ -49,3 +55,10 @@ def assign(sizes: list[int], owned: list[int]) -> list[int]:
         ranks[i] = rank
         owned[rank] += sizes[i]
     return ranks
+
+
+def forget_owned() -> None:
+    """Forget every whole-params unit wrapped so far: the next model is balanced as if it
+    were the first (for tests and benchmarks that wrap several models in one process;
+    call it on every rank at the same point)."""
+    _OWNED.clear()

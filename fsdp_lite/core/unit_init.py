@@ -100,16 +100,25 @@ def _check_param(name: str, p: nn.Parameter, owned: dict) -> None:
 
 
 def _make_flat(
-    unit: Unit, members: list, compute_dtype: torch.dtype, sync: bool, owners: dict[int, int] | None
+    unit: Unit,
+    members: list,
+    compute_dtype: torch.dtype,
+    sync: bool,
+    owners: dict[ownership.Location, int] | None,
 ) -> FlatParam:
     """One FlatParam from (slot, original) pairs; the originals leave their modules. With
-    ``owners`` (whole params: id(original) -> rank) the slots are laid out in owner order."""
+    ``owners`` (whole params: (id(module), attr) -> rank) the slots are laid out in owner
+    order."""
     ranks = None
     if owners is not None:
-        missing = [p for _, p in members if id(p) not in owners]
+
+        def where(slot: ParamSlot) -> ownership.Location:
+            return id(slot.locations[0][0]), slot.locations[0][1]
+
+        missing = [(*s.locations[0], p) for s, p in members if where(s) not in owners]
         owners = {**owners, **ownership.plan_owners(missing, unit.process_group)}
-        members = sorted(members, key=lambda m: owners[id(m[1])])  # stable
-        ranks = [owners[id(p)] for _, p in members]
+        members = sorted(members, key=lambda m: owners[where(m[0])])  # stable
+        ranks = [owners[where(s)] for s, _ in members]
     offset = 0
     for slot, _ in members:
         slot.offset = offset
@@ -141,7 +150,7 @@ def build_flat_params(
     defer: frozenset[int],
     sync: bool,
     init_plan: deferred_init.InitPlan | None,
-    owners: dict[int, int] | None = None,
+    owners: dict[ownership.Location, int] | None = None,
 ) -> list[FlatParam]:
     """Flatten the parameters of ``module`` that no nested unit owns, one FlatParam per
     (dtype, requires_grad, compute dtype), and replace them by views of the full buffer.

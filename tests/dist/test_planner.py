@@ -29,6 +29,7 @@ import torch
 import fsdp_lite
 from fsdp_lite.addons.activation_checkpointing import CheckpointWrapper
 from fsdp_lite.addons.planner.estimate import default_loss
+from fsdp_lite.core import ownership
 from fsdp_lite.testing.memory import MemoryRecorder
 from fsdp_lite.testing.models import GPT, Block, GPTConfig
 
@@ -59,6 +60,9 @@ class Case:
     prefetch: int | None = 2  # PrefetchPolicy.max_in_flight; None: no prefetching
     batch: tuple[int, int] = (2, 64)  # (micro-batch, sequence length)
     ends: bool = False  # the embedding and the head as units of their own
+    # whole_params=True: estimated for the rank owning the most, which is rank 0 (the
+    # largest parameter's) in these cases: the rank a fake-PG worker measures.
+    whole: bool = False
 
     @property
     def name(self) -> str:
@@ -68,7 +72,7 @@ class Case:
             parts.append(f"reshard_after_forward={self.reshard_after_forward}")
         if self.prefetch != 2:
             parts.append(f"prefetch={self.prefetch}")
-        parts += ["embedding and head units"] * self.ends
+        parts += ["embedding and head units"] * self.ends + ["whole params"] * self.whole
         return " ".join(parts)
 
 
@@ -84,6 +88,9 @@ ALL_CASES = [
     Case(8, "llama", "bf16", ac=True),
     Case(8, "gpt", prefetch=None, reshard_after_forward=True),
     Case(8, "llama", "bf16", ends=True),
+    Case(2, "gpt", whole=True),
+    Case(8, "gpt", "bf16", whole=True),
+    Case(8, "llama", "bf16", ends=True, whole=True),
     Case(64, "llama", "bf16", ends=True),
     Case(64, "gpt", ac=True),
     Case(64, "llama"),
@@ -130,6 +137,7 @@ def _settings(case: Case) -> dict:
         "mixed_precision": mp,
         "offload": fsdp_lite.CPUOffload() if case.offload else None,
         "reshard_after_forward": case.reshard_after_forward,
+        "whole_params": case.whole,
         "prefetch": None
         if case.prefetch is None
         else fsdp_lite.PrefetchPolicy(max_in_flight=case.prefetch),
@@ -153,6 +161,7 @@ def _train(model: torch.nn.Module, case: Case, rec: MemoryRecorder) -> None:
 def measure(case: Case) -> int:
     """Train ``case`` as ``scripts/train.py`` wraps models (checkpointing first, then a unit
     per checkpointed block) and return its measured steady-state peak."""
+    ownership.forget_owned()  # whole params: balanced as the process's first model
     with MemoryRecorder("cpu") as rec:
         model, block = _build(case)
         policy = _policy(case, model, block)

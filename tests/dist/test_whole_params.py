@@ -29,6 +29,7 @@ from cases import (
     wrap_by_hand,
 )
 from test_checkpointing import unit_inside, unit_outside
+from test_deferred_init import _meta
 
 import fsdp_lite
 from fsdp_lite.core import collectives
@@ -141,6 +142,8 @@ def _runs(world: int, tmp: str) -> list:
         gpt_run("muon, whole params", world, raf=False, optimizers=muon_and_adamw,
                 wrap=functools.partial(wrap_blocks, whole_params=True,
                                        reshard_after_forward=False)),
+        gpt_run("muon, whole params, meta-built", world, optimizers=muon_and_adamw,
+                wrap=lambda _ignored: wrap_blocks(_meta(gpt, seed=1234), whole_params=True)),
         gpt_run("muon, whole params, untied, 5 blocks", world, wrap=whole,
                 make_model=functools.partial(gpt, n_layer=5, tie_weights=False),
                 optimizers=muon_and_adamw),

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
-from fsdp_lite.addons.planner.layout import UnitLayout, layout_units
+from fsdp_lite.addons.planner.layout import UnitLayout, layout_units, own_whole_params
 from fsdp_lite.addons.planner.replay import TERMS, ReplayConfig, replay
 from fsdp_lite.addons.planner.trace import StepTrace, trace_step
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
@@ -65,12 +65,17 @@ class MemoryEstimate:
     device: str
     world_size: int
     host_bytes: int = 0
+    # whole_params: the estimate is the rank owning the most bytes; its owned bytes over
+    # the mean (1.0 for the default layout, where every shard is 1/W).
+    owned_imbalance: float = 1.0
 
     def __str__(self) -> str:
         lines = [
             f"peak {self.peak_bytes / _MiB:.2f} MiB on {self.device} (W={self.world_size}) "
             f"at: {self.phase}"
         ]
+        if self.owned_imbalance != 1.0:
+            lines[0] += f" (the rank owning the most: {self.owned_imbalance:.2f}x the mean)"
         lines += [f"  {k:<24}{v / _MiB:10.2f} MiB" for k, v in self.breakdown.items() if v]
         if self.host_bytes:
             lines.append(f"  host (offloaded state)  {self.host_bytes / _MiB:10.2f} MiB")
@@ -94,11 +99,13 @@ class Plan:
     budget_bytes: int
     auto_wrap_policy: Policy | None = None
     mixed_precision: MixedPrecision | None = None
+    whole_params: bool = False
 
     def fsdp_kwargs(self) -> dict[str, Any]:
         return {
             "auto_wrap_policy": self.auto_wrap_policy,
             "mixed_precision": self.mixed_precision,
+            "whole_params": self.whole_params,
             "reshard_after_forward": self.reshard_after_forward,
             "prefetch": self.prefetch,
             "offload": self.offload,
@@ -144,6 +151,7 @@ def estimate_memory(
     prefetch: PrefetchPolicy | None = PrefetchPolicy(),  # noqa: B008 - frozen, as FSDPModule's
     device: torch.device | str | None = None,
     backend: str | None = None,
+    whole_params: bool = False,
 ) -> MemoryEstimate:
     """Predict one rank's peak tensor memory over a steady-state training step.
 
@@ -166,9 +174,11 @@ def estimate_memory(
         backend: the process group's backend: ``"nccl"``/``"gloo"`` keep a buffer for the
             reduce-scatter in flight, ``"fake"`` (torch's fake process group, for tests)
             keeps nothing. Default: nccl on CUDA, gloo on the CPU.
+        whole_params: as ``FSDPModule`` takes it; the estimate is then for the rank that
+            owns the most bytes (``owned_imbalance``).
     """
     planner = _Planner(model, example_inputs, world_size, auto_wrap_policy, mixed_precision,
-                       optimizer, loss_fn, device, backend)  # fmt: skip
+                       optimizer, loss_fn, device, backend, whole_params)  # fmt: skip
     return planner.estimate(activation_checkpointing, reshard_after_forward, offload, prefetch)
 
 
@@ -199,6 +209,7 @@ def plan(
         kwargs.pop("loss_fn", None),
         kwargs.pop("device", None),
         kwargs.pop("backend", None),
+        kwargs.pop("whole_params", False),
     )
     if kwargs:
         raise TypeError(f"plan() got unexpected keyword arguments {sorted(kwargs)}")
@@ -209,7 +220,7 @@ def plan(
             return Plan(
                 settings["reshard_after_forward"], settings["activation_checkpointing"],
                 settings["offload"], settings["prefetch"], est, budget_bytes, planner.policy,
-                planner.mp,
+                planner.mp, planner.whole_params,
             )  # fmt: skip
         if smallest is None or est.peak_bytes < smallest[0].peak_bytes:
             smallest = (est, settings)
@@ -286,6 +297,7 @@ class _Planner:
         loss_fn: Callable[[Any], torch.Tensor] | None,
         device: torch.device | str | None,
         backend: str | None,
+        whole_params: bool = False,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -298,8 +310,10 @@ class _Planner:
         self.loss_fn = loss_fn or default_loss
         self.device = _device(device)
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        self.comm_keeps = _comm_keeps(backend, world_size)
+        self.comm_keeps = _comm_keeps(backend, world_size, whole_params)
         self.units: list[UnitLayout] = layout_units(model, world_size, policy, mp)
+        self.whole_params = whole_params
+        self.imbalance = own_whole_params(model, self.units, world_size) if whole_params else 1.0
         self._traces: dict[Any, StepTrace] = {}
 
     def can_checkpoint(self) -> bool:
@@ -331,8 +345,9 @@ class _Planner:
         peak = replay(self.units, trace, cfg)
         breakdown = {k: peak.breakdown.get(k, 0) for k in TERMS}
         return MemoryEstimate(
-            peak.bytes, breakdown, peak.phase, str(self.device), self.world_size, peak.host_bytes
-        )
+            peak.bytes, breakdown, peak.phase, str(self.device), self.world_size, peak.host_bytes,
+            self.imbalance,
+        )  # fmt: skip
 
     def _optimizer_temporaries(self, to_host: bool) -> str:
         if self.sgd_like:
@@ -398,9 +413,11 @@ def _optimizer_states(optimizer: str | float) -> float:
     return float(optimizer)
 
 
-def _comm_keeps(backend: str, world_size: int) -> str:
-    if world_size == 1 or backend == "fake":
+def _comm_keeps(backend: str, world_size: int, whole_params: bool) -> str:
+    if world_size == 1:
         return "none"  # collectives.py skips communication at one rank
+    if backend == "fake":  # keeps nothing, but per-rank sizes are all-reduced in place
+        return "input" if whole_params else "none"
     if backend in ("nccl", "gloo"):
         return "input"  # NCCL stashes it; gloo all-reduces it in place (collectives.py)
     raise ValueError(f"backend must be 'nccl', 'gloo' or 'fake', got {backend!r}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fsdp_lite.core import ownership
 from fsdp_lite.core.api import MixedPrecision
 from fsdp_lite.core.flat_param import master_dtype
 from fsdp_lite.core.tree import unit_of
@@ -45,6 +46,8 @@ class FlatLayout:
     compute_dtype: torch.dtype  # of the gathered full buffer
     requires_grad: bool
     world_size: int
+    # whole_params: the elements the planned rank owns (see own_whole_params); None: even.
+    rank_numel: int | None = None
 
     @property
     def numel(self) -> int:
@@ -52,11 +55,15 @@ class FlatLayout:
 
     @property
     def shard_numel(self) -> int:
+        if self.rank_numel is not None:
+            return self.rank_numel
         return -(-self.numel // self.world_size)
 
     @property
     def padded_numel(self) -> int:
-        return self.shard_numel * self.world_size
+        if self.rank_numel is not None:
+            return self.numel  # cut on parameter boundaries: no padding
+        return -(-self.numel // self.world_size) * self.world_size
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -120,6 +127,28 @@ def layout_units(
         unit.has_nested = bool(nested)
     order = {id(m): i for i, m in enumerate(model.modules())}
     return [units[0]] + sorted(units[1:], key=lambda u: order.get(id(u.module), 0))
+
+
+def own_whole_params(model: nn.Module, units: list[UnitLayout], world_size: int) -> float:
+    """whole_params: give each parameter an owner as wrapping would (``ownership.py``, in
+    the order the outermost unit plans them), plan for the rank that owns the most bytes
+    (each flat param's ``rank_numel``), and return its owned bytes over the mean."""
+    params = list({id(p): p for _, _, p in unowned_parameters(model)}.values())
+    owned = [0] * world_size
+    ranks = ownership.assign([ownership.master_nbytes(p) for p in params], owned)
+    owner = {id(p): r for p, r in zip(params, ranks, strict=True)}
+    rank = max(range(world_size), key=lambda r: (owned[r], -r))
+    for unit in units:
+        for flat in unit.flats:
+            mine = [s for s in flat.slots if owner[id(_param_at(s.locations[0]))] == rank]
+            flat.rank_numel = sum(s.shape.numel() for s in mine)
+    mean = sum(owned) / world_size
+    return owned[rank] / mean if mean else 1.0
+
+
+def _param_at(location: Location) -> nn.Parameter:
+    module, attr = location
+    return module._parameters[attr]
 
 
 def _pick_units(root: nn.Module, policy: Policy) -> Iterator[tuple[nn.Module, set[int]]]:

@@ -260,6 +260,7 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
     out = flat.shard_numel * reduce_dtype.itemsize
     wide = flat.padded_numel * reduce_dtype.itemsize
     pieces = flat_param.widening_pieces(flat.padded_numel, flat.compute_dtype, reduce_dtype)
+    pieces = 1 if flat.rank_numel is not None else pieces  # whole params: never in pieces
     keeps = r.cfg.comm_keeps
     kept = (wide if pieces == 1 else 0) if keeps != "none" else 0
     copy = kept if keeps == "copy" else 0  # beside the input
