@@ -42,7 +42,7 @@ from train_log import (
 from train_setup import (
     Dist,
     build_model,
-    build_optimizer,
+    build_optimizers,
     init_distributed,
     lm_loss,
     lr_at,
@@ -58,7 +58,7 @@ class Trainer:
     def __init__(self, cfg: Config, data: Corpus, d: Dist) -> None:
         self.cfg, self.d, self.hf = cfg, d, cfg.model.hf is not None
         self.model, self.n_params = build_model(cfg, data.vocab_size, d)
-        self.opt = build_optimizer(cfg, self.model)
+        self.opts = build_optimizers(cfg, self.model)
         # fp16: dynamic loss scaling whose ranks agree on overflow (a no-op otherwise).
         self.scaler = fsdp_lite.ShardedGradScaler(
             d.device.type,
@@ -84,8 +84,9 @@ class Trainer:
         """Forward and backward over ``grad_accum`` micro-batches (all but the last under
         ``no_sync``), clip, optimizer step. ``crash``: die after backward (debug)."""
         t, d, model, start = self.cfg.train, self.d, self.model, time.perf_counter()
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        for opt in self.opts:  # each group's peak rate, on the schedule of train.lr
+            for group in opt.param_groups:
+                group["lr"] = group["peak_lr"] * lr / t.lr
         fsdp_lite.reset_stats()
         if d.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(d.device)
@@ -99,13 +100,15 @@ class Trainer:
             loss_sum += loss.detach().double()
         if crash:
             os.kill(os.getpid(), signal.SIGKILL)  # like the OOM killer: no cleanup at all
-        self.scaler.unscale_(self.opt)
+        for opt in self.opts:
+            self.scaler.unscale_(opt)
         norm = model.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else math.inf)
         finite = bool(torch.isfinite(norm))  # the global norm: every rank agrees
-        if finite:
-            self.scaler.step(self.opt)
+        for opt in self.opts if finite else ():
+            self.scaler.step(opt)
         self.scaler.update()  # fp16: backs off if any rank found an inf/nan
-        self.opt.zero_grad(set_to_none=True)
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
         stats = fsdp_lite.stats()  # read before our own all-gather below
         local = [loss_sum.item(), peak_memory_bytes(d.device), stats["full_bytes_peak"]]
@@ -126,7 +129,7 @@ def _start(trainer: Trainer, cfg: Config, d: Dist) -> tuple[int, str]:
     source = train_ckpt.resume_source(cfg)
     if source is None:
         return 0, "starting fresh"
-    step, local, note = train_ckpt.restore(source, trainer.model, trainer.opt, cfg, d)
+    step, local, note = train_ckpt.restore(source, trainer.model, trainer.opts, cfg, d)
     trainer.load_local_state(local)
     return step, note
 
@@ -153,7 +156,7 @@ def train(
     for step in range(done + 1, t.steps + 1):
         lr = lr_at(step - 1, t)
         measure = est is not None and step == done + 2  # optimizer state exists by now
-        ctx = train_memory.measure_step(trainer.model, trainer.opt, d.device)
+        ctx = train_memory.measure_step(trainer.model, trainer.opts, d.device)
         with ctx if measure else contextlib.nullcontext({}) as peak:
             r = trainer.step(lr, crash=_crash_now(cfg, step, d))
         if measure:
@@ -162,7 +165,7 @@ def train(
         scale = trainer.scaler.get_scale() if trainer.scaler.is_enabled() else None
         run_log.step(step, r, lr, scale)
         if every and (step % every == 0 or step == t.steps):
-            path = train_ckpt.save(cfg, step, trainer.model, trainer.opt, trainer.local_state(), d)
+            path = train_ckpt.save(cfg, step, trainer.model, trainer.opts, trainer.local_state(), d)
             run_log.note(f"step {step:5d}/{t.steps} | checkpoint {path}")
     run_log.close()
     summarize(cfg, trainer.model, trainer.n_params, results, d, time.perf_counter() - start)

@@ -161,7 +161,7 @@ def save(
     cfg: Config,
     step: int,
     model: fsdp_lite.FSDPModule,
-    opt: torch.optim.Optimizer,
+    opts: list[torch.optim.Optimizer],
     local: dict[str, Any],
     d: Dist,
 ) -> Path:
@@ -178,22 +178,26 @@ def save(
         ranks = [local]
     extra = {"step": step, "world_size": d.world_size, "ranks": ranks}
     path = root / f"step_{step:07d}"
-    fsdp_lite.save_checkpoint(path, model, opt, extra=extra)
+    fsdp_lite.save_checkpoint(path, model, opts, extra=extra)
     if d.rank == 0:
         _prune(root, cfg.checkpoint.keep)
     return path
 
 
 def restore(
-    path: Path, model: fsdp_lite.FSDPModule, opt: torch.optim.Optimizer, cfg: Config, d: Dist
+    path: Path,
+    model: fsdp_lite.FSDPModule,
+    opts: list[torch.optim.Optimizer],
+    cfg: Config,
+    d: Dist,
 ) -> tuple[int, dict[str, Any], str]:
-    """Load ``path`` into ``model`` and ``opt``; restore this rank's RNG states. Returns the
+    """Load ``path`` into ``model`` and ``opts``; restore this rank's RNG states. Returns the
     step it was saved at, this rank's resumable state and a note for the log.
 
     At another world size the model and optimizer reshard; the data position carries
     over, but RNG states cannot (there is no rank to take them from), so dropout is
     reseeded and the loss curve is no longer the uninterrupted one's."""
-    extra = fsdp_lite.load_checkpoint(path, model, opt)
+    extra = fsdp_lite.load_checkpoint(path, model, opts)
     step = int(extra["step"])
     if extra["world_size"] == d.world_size:
         local = extra["ranks"][d.rank]

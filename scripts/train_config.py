@@ -24,6 +24,7 @@ import yaml
 DTYPES = ("fp32", "bf16", "fp16")
 WRAPS = ("block", "size", "none")
 OFFLOADS = ("none", "cpu", "ssd")
+OPTIMIZERS = ("adamw", "muon")
 
 
 class ConfigError(ValueError):
@@ -100,6 +101,17 @@ class FSDPConfig:
 
 
 @dataclass
+class OptimConfig:
+    name: str = opt(
+        "adamw",
+        "`adamw` (every parameter), or `muon`: `torch.optim.Muon` on the blocks' 2-D matrices "
+        "and AdamW (`train.lr`) on the rest, over whole-parameter shards "
+        "(`FSDPModule(whole_params=True)`: each rank owns whole matrices)",
+    )
+    muon_lr: float = opt(0.02, "`muon`: Muon's peak learning rate (warmup and decay as `train.lr`)")
+
+
+@dataclass
 class DataConfig:
     path: str | None = opt(None, "a UTF-8 text file to train on (null: the synthetic corpus)")
 
@@ -144,6 +156,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -216,6 +229,8 @@ def _value_checks(cfg: Config) -> list[tuple[str, bool, str]]:
     return [
         ("name", bool(cfg.name) and "/" not in cfg.name, "a non-empty name without '/'"),
         ("model.n_layer", m.n_layer >= 1, ">= 1"),
+        ("optim.name", cfg.optim.name in OPTIMIZERS, " or ".join(OPTIMIZERS)),
+        ("optim.muon_lr", cfg.optim.muon_lr > 0, "> 0"),
         ("model.n_head", m.n_head >= 1, ">= 1"),
         ("model.n_embd", m.n_embd >= 1 and m.n_embd % m.n_head == 0, "a multiple of n_head"),
         ("model.block_size", m.block_size >= 1, ">= 1"),

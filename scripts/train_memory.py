@@ -49,6 +49,7 @@ def estimate(
         loss_fn=_loss(cfg.model.hf is not None, x),
         device=d.device,
         backend="nccl" if d.device.type == "cuda" else "gloo",
+        whole_params=cfg.optim.name == "muon",
     )
 
 
@@ -61,7 +62,7 @@ def _loss(hf: bool, y: torch.Tensor) -> Callable[[Any], torch.Tensor]:
 
 @contextlib.contextmanager
 def measure_step(
-    model: nn.Module, opt: torch.optim.Optimizer, device: torch.device
+    model: nn.Module, opts: list[torch.optim.Optimizer], device: torch.device
 ) -> Iterator[dict[str, int]]:
     """Yield a dict that holds ``peak_bytes`` of the step run inside, once it ends."""
     out: dict[str, int] = {}
@@ -70,19 +71,19 @@ def measure_step(
         yield out
         out["peak_bytes"] = torch.cuda.max_memory_allocated(device)
         return
-    start = _live_tensor_bytes(model, opt)
+    start = _live_tensor_bytes(model, opts)
     with MemoryRecorder("cpu") as rec:
         with rec.step():
             yield out
     out["peak_bytes"] = start + rec.peak_bytes
 
 
-def _live_tensor_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+def _live_tensor_bytes(model: nn.Module, opts: list[torch.optim.Optimizer]) -> int:
     """Bytes of the tensors a step starts with: shards (and any grads), buffers, optimizer
     state, each storage once."""
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors += [v for o in opts for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 

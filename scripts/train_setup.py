@@ -195,17 +195,44 @@ def build_model(cfg: Config, vocab_size: int, d: Dist) -> tuple[fsdp_lite.FSDPMo
         device=d.device,
         prefetch=prefetch,
         offload=_offload(cfg),
+        whole_params=cfg.optim.name == "muon",  # Muon steps whole matrices
     )
     torch.manual_seed(cfg.train.seed + d.rank)  # dropout differs per rank
     return model, n_params
 
 
-def build_optimizer(cfg: Config, model: fsdp_lite.FSDPModule) -> torch.optim.Optimizer:
-    t = cfg.train
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    if cfg.fsdp.offload == "ssd":  # moments in the shards' files too
-        fsdp_lite.offload_optimizer_state(opt, model)
-    return opt
+def build_optimizers(cfg: Config, model: fsdp_lite.FSDPModule) -> list[torch.optim.Optimizer]:
+    """AdamW over every parameter, or (``optim.name: muon``) Muon over this rank's whole
+    2-D matrices of the transformer blocks and AdamW over the rest. Each group remembers
+    its peak rate as ``peak_lr`` (the schedule scales it)."""
+    t, o = cfg.train, cfg.optim
+    named = list(model.named_parameters())
+    mats: list[nn.Parameter] = []
+    if o.name == "muon":
+        blocks = _block_types(cfg, model)
+        inside = [n + "." for n, m in model.named_modules() if isinstance(m, blocks)]
+        mats = [p for n, p in named if p.ndim == 2 and any(n.startswith(i) for i in inside)]
+    rest = [p for _, p in named if all(p is not m for m in mats)]
+    # Param-group dicts: torch refuses an empty parameter list, and a rank may own no
+    # matrix (or nothing else); every rank must build the same optimizers all the same.
+    opts: list[torch.optim.Optimizer] = []
+    if o.name == "muon":
+        opts.append(torch.optim.Muon([{"params": mats}], lr=o.muon_lr, weight_decay=t.weight_decay))
+    opts.append(torch.optim.AdamW([{"params": rest}], lr=t.lr, weight_decay=t.weight_decay))
+    for opt in opts:
+        for group in opt.param_groups:
+            group["peak_lr"] = group["lr"]
+        if cfg.fsdp.offload == "ssd":  # moments in the shards' files too
+            fsdp_lite.offload_optimizer_state(opt, model)
+    return opts
+
+
+def _block_types(cfg: Config, model: nn.Module) -> tuple[type[nn.Module], ...]:
+    if cfg.model.hf is None:
+        return (Block,)
+    import train_hf
+
+    return train_hf.layer_classes(model)
 
 
 def lr_at(step: int, t: TrainConfig) -> float:

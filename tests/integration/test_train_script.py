@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -457,3 +458,22 @@ def test_docs_config_table_lists_every_key() -> None:
     assert markdown_table() in section, (
         "docs/training-script.md's table is stale: python scripts/train_config.py"
     )
+
+
+def test_muon_trains_the_tiny_gpt_and_llama_over_whole_params(tmp_path: Path) -> None:
+    """optim.name=muon: Muon on the blocks' matrices over whole-parameter shards, AdamW on
+    the rest; the tiny GPT (with a checkpoint, resumed) and the tiny Llama both learn."""
+    args = ("optim.name=muon", "train.steps=30", "train.warmup_steps=5", "checkpoint.every=15")
+    torchrun(tmp_path, "muon", *args)
+    gpt = json.loads((tmp_path / "runs" / "muon" / "summary.json").read_text())
+    assert gpt["last_loss"] < gpt["first_loss"] - 0.5, gpt
+    path = tmp_path / "checkpoints" / "muon" / "step_0000015"
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert any(k.startswith("optim.state.") and k.endswith(".momentum_buffer") for k in saved)
+    assert any(k.startswith("optim1.state.") and k.endswith(".exp_avg") for k in saved)
+    out = torchrun(tmp_path, "muon", *args, "train.steps=33", "--resume")
+    assert "resumed" in out.lower(), out[-2000:]
+    steps = ("train.steps=30", "train.warmup_steps=5", "optim.name=muon", "checkpoint.every=0")
+    torchrun(tmp_path, "llama", f"model.hf={LLAMA_DIR}", config=LLAMA, base=steps)
+    llama = json.loads((tmp_path / "runs" / "llama" / "summary.json").read_text())
+    assert llama["last_loss"] < llama["first_loss"] - 0.5, llama
