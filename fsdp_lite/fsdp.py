@@ -78,6 +78,17 @@ class FSDPModule(nn.Module):
             module's own parameters and buffers (default: reset_parameters(), HF _init_weights);
             each unit materializes and initializes only its own modules (see
             ``deferred_init.py``).
+        use_orig_params: ``parameters()`` yields, instead of one flat shard per flat
+            param, this rank's piece of each original parameter as an ``nn.Parameter``
+            view of the shard, registered under its original name (``named_parameters()``
+            reads as the unwrapped model's, less pieces this rank does not hold): per-
+            parameter optimizer groups. A piece cut from a larger parameter is 1-D with
+            leading 1s up to its ``ndim``; matrix optimizers refuse it.
+        whole_params: shard each flat param on parameter boundaries, so each rank owns
+            whole original parameters (``ownership.py``: largest first, balanced by bytes
+            over the model); implies ``use_orig_params``, and ``named_parameters()``
+            yields this rank's parameters with their shapes (``torch.optim.Muon`` runs
+            on them unchanged). Gathers and reduce-scatters take per-rank sizes.
     """
 
     def __init__(

@@ -300,8 +300,8 @@ def load_checkpoint(
         for k, opt in enumerate(_as_list(optimizer)):
             if f"{_prefix(k)}.param_groups" not in keys:
                 raise CheckpointError(
-                    f"{path} holds no state for optimizer {k} (saved with fewer optimizers, "
-                    "or without optimizer=)"
+                    f"{path} holds no optimizer state for optimizer {k} (saved with fewer "
+                    "optimizers, or without optimizer=)"
                 )
             optim_dest, apply_optim = _optim_dest(model, opt, keys, after, _prefix(k))
             dest.update(optim_dest)

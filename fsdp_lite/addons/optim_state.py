@@ -184,6 +184,19 @@ def local_state(flat: FlatParam, key: str, entries: list[Entry]) -> list[tuple[i
     ]
 
 
+def _shard_state(
+    flat: FlatParam, segments: list[tuple[int, torch.Tensor]], dtype: torch.dtype
+) -> torch.Tensor:
+    """The segments as one shard-shaped tensor: the state itself where one covers the
+    shard (an optimizer over flat shards), else a copy."""
+    if len(segments) == 1 and segments[0][0] == 0 and segments[0][1].numel() == flat.shard_numel:
+        return segments[0][1].to(dtype)
+    local = torch.zeros(flat.shard_numel, dtype=dtype, device=flat.shard.device)
+    for at, tensor in segments:
+        local[at : at + tensor.numel()].copy_(tensor)
+    return local
+
+
 def shard_view(segments: list[tuple[int, torch.Tensor]], start: int, numel: int) -> torch.Tensor:
     """Elements ``[start, start + numel)`` of the shard from the entry that holds them."""
     for at, tensor in segments:
@@ -224,9 +237,7 @@ def full_optim_state_dict(
     state: dict[str, dict[str, Any]] = {}
     for flat in flat_params(root):
         for key, dtype in sharded_keys(flat, names, ex.kinds).items():
-            local = torch.zeros(flat.shard_numel, dtype=dtype, device=flat.shard.device)
-            for at, tensor in local_state(flat, key, entries):
-                local[at : at + tensor.numel()].copy_(tensor)
+            local = _shard_state(flat, local_state(flat, key, entries), dtype)
             full = torch.empty(flat.padded_numel, dtype=dtype, device=local.device)
             collectives.all_gather_flat(full, local, flat.group, sizes=flat.sizes)
             for slot in flat.slots if keep else ():
