@@ -70,6 +70,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from bench import machine  # noqa: E402
 from bench_measure import count_collectives  # noqa: E402
+from bench_systems import tied_gpt_config  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fsdp_lite  # noqa: E402
@@ -104,15 +105,7 @@ class MuonBenchConfig:
     timeout_s: float = 600.0
 
     def gpt_config(self) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=self.vocab,
-            block_size=self.seq,
-            n_layer=self.layers,
-            n_head=self.heads,
-            n_embd=self.dim,
-            dropout=0.0,
-            tie_weights=False,
-        )
+        return dataclasses.replace(tied_gpt_config(self), tie_weights=False)
 
 
 # -- Muon for FSDP2, as its users write it -----------------------------------------------------

@@ -38,8 +38,9 @@ from fsdp_lite.core.home import DeviceHome
 # over too), so code that sees only parameters -- an optimizer's step hooks, the grad
 # scaler, the misuse checks -- tells shards from plain parameters without the unit tree.
 _SHARD_ATTR = "_fsdp_lite_ranks"
-# A partial piece of an original parameter (use_orig_params) carries the parameter's shape.
-_PARTIAL_ATTR = "_fsdp_lite_partial_of"
+# An orig param of a flat param cut at numel/W (use_orig_params without whole_params)
+# carries its parameter's shape: on some rank it is, or may be, a partial piece.
+_CUT_ATTR = "_fsdp_lite_cut_from"
 
 
 def shard_ranks(p: torch.Tensor) -> tuple[int, int] | None:
@@ -139,6 +140,7 @@ class FlatParam:
         # Rank r keeps elements [bounds[r], bounds[r + 1]) of the padded flat param: a
         # ceil(numel / W) slice each, or (whole params) the slots ``owners`` gives it.
         self.bounds = _even_bounds(self.numel, self.world_size)
+        self.whole = owners is not None  # cut on parameter boundaries
         if owners is not None:
             self.bounds = _slot_bounds(slots, owners, self.world_size)
         self.padded_numel = self.bounds[-1]
@@ -351,7 +353,8 @@ class FlatParam:
         """use_orig_params: one ``nn.Parameter`` per piece of an original parameter this
         rank holds, a view of the shard (see Note). A whole piece has the parameter's
         shape; a partial one is 1-D with leading 1s up to the parameter's ndim (so
-        ``p.ndim`` sorts parameters into groups), marked for ``partial_shape``."""
+        ``p.ndim`` sorts parameters into groups). Without whole params every one is
+        marked for ``cut_from`` (some rank holds a partial piece of it, or may)."""
         origs = []
         with torch.no_grad():
             for i, lo, hi, at in self.pieces():
@@ -361,8 +364,8 @@ class FlatParam:
                 view = self.shard[at : at + numel].view(shape)
                 param = nn.Parameter(view, requires_grad=self.requires_grad)
                 param.__dict__[_SHARD_ATTR] = (self.world_size, self.replicas)
-                if not whole:
-                    param.__dict__[_PARTIAL_ATTR] = slot.shape
+                if not self.whole:
+                    param.__dict__[_CUT_ATTR] = slot.shape
                 origs.append(OrigParam(slot.name, i, at, numel, param))
         self.orig_params = origs
         return origs
@@ -582,10 +585,10 @@ def _slot_bounds(slots: list[ParamSlot], owners: list[int], world_size: int) -> 
     return bounds
 
 
-def partial_shape(p: torch.Tensor) -> torch.Size | None:
-    """The original shape of ``p`` if it is a partial piece of it (use_orig_params in the
-    default layout), else ``None``."""
-    return p.__dict__.get(_PARTIAL_ATTR)
+def cut_from(p: torch.Tensor) -> torch.Size | None:
+    """The original shape of ``p`` if it is an orig param of a flat param cut at numel/W
+    (use_orig_params without whole_params: the same answer on every rank), else None."""
+    return p.__dict__.get(_CUT_ATTR)
 
 
 @dataclass

@@ -14,8 +14,8 @@ from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.flat_param import (
     FlatParam,
     ParamSlot,
+    cut_from,
     master_dtype,
-    partial_shape,
     shard_ranks,
 )
 from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of
@@ -329,13 +329,13 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: obj
                 "that fsdp_lite.FSDPModule flattened into a shard: it would step a tensor "
                 "nothing uses. Build the optimizer after wrapping, from model.parameters()"
             )
-    partial = [p for p in params if partial_shape(p) is not None]
+    cut = [p for p in params if cut_from(p) is not None]
     matrix = [c.__name__ for c in type(optimizer).__mro__ if c.__name__ in MATRIX_OPTIMIZERS]
-    if partial and matrix:
+    if cut and matrix:
         raise RuntimeError(
             f"this {type(optimizer).__name__} (a {matrix[0]}: it needs whole matrices) holds "
-            f"{len(partial)} piece(s) of parameters cut at numel/W (e.g. one of shape "
-            f"{tuple(partial_shape(partial[0]))} held as {tuple(partial[0].shape)}): "
+            f"{len(cut)} piece(s) of parameters cut at numel/W (e.g. one of shape "
+            f"{tuple(cut_from(cut[0]))}, held here as {tuple(cut[0].shape)}): "
             "use_orig_params shards each flat param evenly, across parameter boundaries. "
             "Wrap with FSDPModule(..., whole_params=True): every rank then owns whole "
             "parameters, shaped"

@@ -28,6 +28,7 @@ from cases import (
     wrap_blocks,
     wrap_by_hand,
 )
+from ckpt_cases import wrap_blocks_and_norms
 from test_checkpointing import unit_inside, unit_outside
 from test_deferred_init import _meta
 
@@ -142,6 +143,9 @@ def _runs(world: int, tmp: str) -> list:
         gpt_run("muon, whole params", world, raf=False, optimizers=muon_and_adamw,
                 wrap=functools.partial(wrap_blocks, whole_params=True,
                                        reshard_after_forward=False)),
+        gpt_run("muon, whole params, norms as units (a rank owns none of each)", world,
+                wrap=functools.partial(wrap_blocks_and_norms, whole_params=True),
+                optimizers=muon_and_adamw, clip=0.05, accumulate=2),
         gpt_run("muon, whole params, meta-built", world, optimizers=muon_and_adamw,
                 wrap=lambda _ignored: wrap_blocks(_meta(gpt, seed=1234), whole_params=True)),
         gpt_run("muon, whole params, untied, 5 blocks", world, wrap=whole,
@@ -195,6 +199,13 @@ def _names_and_refusals(rank: int, world: int) -> dict:
         with pytest.raises(RuntimeError, match="whole_params=True"):
             opt.step()
 
+    def empty_shards_when_a_unit_has_fewer_parameters_than_ranks():
+        model = wrap_blocks_and_norms(gpt(), whole_params=True)
+        flats = [f for u in units_of(model) for f in u.flat_params]
+        empty = [f for f in flats for r in range(world) if f.bounds[r] == f.bounds[r + 1]]
+        assert world < 3 or empty, "at W=3 a LayerNorm unit (2 parameters) leaves a rank none"
+        assert all(p.numel() > 0 for p in model.parameters())  # no empty optimizer tensor
+
     def grads_follow_zero_grad():
         """zero_grad(set_to_none=True) on the optimizer's parameters drops the shard grad;
         set_to_none=False zeroes it in place; an assigned grad is folded in."""
@@ -220,12 +231,13 @@ def _names_and_refusals(rank: int, world: int) -> dict:
             ("names are the reference's", names_are_the_reference_names),
             ("Muon refuses partial pieces", muon_refuses_partial_pieces),
             ("grads follow zero_grad", grads_follow_zero_grad),
+            ("empty shards", empty_shards_when_a_unit_has_fewer_parameters_than_ranks),
         ]
     )
 
 
 def test_names_grads_and_refusals():
-    assert_subtests_passed(run_distributed(_names_and_refusals, 2))
+    assert_subtests_passed(run_distributed(_names_and_refusals, 3))
 
 
 def layout_figures(world: int, n_layer: int = 8) -> dict:
