@@ -246,7 +246,7 @@ class FSDPModule(nn.Module):
         units = self._tree_units()
         for unit in units:
             check_state(unit.name, unit.state, TrainingState.IDLE, doing="clip_grad_norm_")
-        grads = [g for u in units for f in u.flat_params if (g := f.grad) is not None]
+        grads = [g for u in units for f in u.flat_params for g in f.grads()]
         total = total_norm(grads, float(norm_type), self.device, self.process_group)
         if error_if_nonfinite and not torch.isfinite(total):
             bad = nonfinite_units(units, self.device, self.process_group)
@@ -340,8 +340,17 @@ class FSDPModule(nn.Module):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         """``model.to(dtype)``, ``.half()``, ``.bfloat16()``... after wrapping would cast the
-        fp32 masters (and the optimizer's view of them): refused before anything changes."""
+        fp32 masters (and the optimizer's view of them): refused before anything changes;
+        with orig params, so is a move to another device."""
         probe = fn(torch.empty(0, dtype=torch.float32))
+        orig = [f for u in units_of(self) for f in u.flat_params if f.orig_params is not None]
+        moved = orig and fn(torch.empty(0, device=orig[0].shard.device)).device
+        if orig and moved != orig[0].shard.device:
+            raise TypeError(
+                f"fsdp_lite: moving a wrapped model to {moved} would cut the optimizer's "
+                "parameters (use_orig_params / whole_params: views of the shards) off the "
+                "shards. Pass device= to FSDPModule, or move the module before wrapping"
+            )
         if isinstance(probe, torch.Tensor) and probe.dtype != torch.float32:
             raise TypeError(
                 f"fsdp_lite: casting a wrapped model to {probe.dtype} would cast its fp32 master "
@@ -407,9 +416,7 @@ class FSDPModule(nn.Module):
         flats = [f for u in units for f in u.flat_params]
         return {
             "shard_bytes": sum(f.shard.numel() * f.shard.element_size() for f in flats),
-            "grad_bytes": sum(
-                g.numel() * g.element_size() for f in flats if (g := f.grad) is not None
-            ),
+            "grad_bytes": sum(g.numel() * g.element_size() for f in flats for g in f.grads()),
             "full_bytes_now": sum(f.full_nbytes for f in flats if f.is_unsharded),
             "largest_unit_full_bytes": max(
                 (sum(f.full_nbytes for f in u.flat_params) for u in units), default=0

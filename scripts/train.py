@@ -59,6 +59,9 @@ class Trainer:
         self.cfg, self.d, self.hf = cfg, d, cfg.model.hf is not None
         self.model, self.n_params = build_model(cfg, data.vocab_size, d)
         self.opts = build_optimizers(cfg, self.model)
+        # Each group's peak rate, from the config (a resumed checkpoint's groups carry the
+        # rates of the step it was saved at).
+        self.peaks = [[g["lr"] for g in opt.param_groups] for opt in self.opts]
         # fp16: dynamic loss scaling whose ranks agree on overflow (a no-op otherwise).
         self.scaler = fsdp_lite.ShardedGradScaler(
             d.device.type,
@@ -84,9 +87,9 @@ class Trainer:
         """Forward and backward over ``grad_accum`` micro-batches (all but the last under
         ``no_sync``), clip, optimizer step. ``crash``: die after backward (debug)."""
         t, d, model, start = self.cfg.train, self.d, self.model, time.perf_counter()
-        for opt in self.opts:  # each group's peak rate, on the schedule of train.lr
-            for group in opt.param_groups:
-                group["lr"] = group["peak_lr"] * lr / t.lr
+        for opt, peaks in zip(self.opts, self.peaks, strict=True):  # train.lr's schedule
+            for group, peak in zip(opt.param_groups, peaks, strict=True):
+                group["lr"] = peak * lr / t.lr
         fsdp_lite.reset_stats()
         if d.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(d.device)

@@ -203,8 +203,8 @@ def build_model(cfg: Config, vocab_size: int, d: Dist) -> tuple[fsdp_lite.FSDPMo
 
 def build_optimizers(cfg: Config, model: fsdp_lite.FSDPModule) -> list[torch.optim.Optimizer]:
     """AdamW over every parameter, or (``optim.name: muon``) Muon over this rank's whole
-    2-D matrices of the transformer blocks and AdamW over the rest. Each group remembers
-    its peak rate as ``peak_lr`` (the schedule scales it)."""
+    2-D matrices of the transformer blocks and AdamW over the rest, at their peak rates
+    (``optim.muon_lr``, ``train.lr``)."""
     t, o = cfg.train, cfg.optim
     named = list(model.named_parameters())
     mats: list[nn.Parameter] = []
@@ -220,8 +220,6 @@ def build_optimizers(cfg: Config, model: fsdp_lite.FSDPModule) -> list[torch.opt
         opts.append(torch.optim.Muon([{"params": mats}], lr=o.muon_lr, weight_decay=t.weight_decay))
     opts.append(torch.optim.AdamW([{"params": rest}], lr=t.lr, weight_decay=t.weight_decay))
     for opt in opts:
-        for group in opt.param_groups:
-            group["peak_lr"] = group["lr"]
         if cfg.fsdp.offload == "ssd":  # moments in the shards' files too
             fsdp_lite.offload_optimizer_state(opt, model)
     return opts

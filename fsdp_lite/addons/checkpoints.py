@@ -395,6 +395,7 @@ def _optim_dest(
     held = _optim.held_names(model, optimizer, entries)
     try:
         _optim.check_known(held, kinds)
+        _optim.check_saved_shapes(model, kinds)
         layouts = [_optim.entry_state_keys(e, kinds) for e in entries]
     except RuntimeError as exc:
         raise CheckpointError(str(exc)) from None

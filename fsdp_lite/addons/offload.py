@@ -130,8 +130,8 @@ class SSDHome(DeviceHome):
         self.directory = directory
         self._maps: list[mmap.mmap] = []
         self._grads: dict[int, torch.Tensor] = {}  # id(flat) -> file-backed grad buffer
-        self._grad_maps: dict[int, mmap.mmap] = {}
-        self._shard_maps: dict[int, mmap.mmap] = {}
+        self._grad_maps: dict[int, mmap.mmap | None] = {}
+        self._shard_maps: dict[int, mmap.mmap | None] = {}
         try:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(directory, 0o700)
@@ -146,9 +146,12 @@ class SSDHome(DeviceHome):
             ) from e
         _register_cleanup(self, directory)
 
-    def new_tensor(self, like: torch.Tensor) -> tuple[torch.Tensor, mmap.mmap]:
-        """A zero-filled file-backed tensor shaped like ``like`` (float dtypes)."""
-        nbytes = max(like.numel() * like.element_size(), 1)
+    def new_tensor(self, like: torch.Tensor) -> tuple[torch.Tensor, mmap.mmap | None]:
+        """A zero-filled file-backed tensor shaped like ``like`` (float dtypes); an empty one
+        (a rank owning nothing of a whole-params unit) is not backed by a file."""
+        if like.numel() == 0:
+            return torch.empty(like.shape, dtype=like.dtype), None
+        nbytes = like.numel() * like.element_size()
         path = self.directory / f"t{next(_file_ids)}.bin"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -189,8 +192,9 @@ class SSDHome(DeviceHome):
             _drop_pages(mapping)
 
 
-def _drop_pages(mapping: mmap.mmap) -> None:
-    mapping.madvise(mmap.MADV_DONTNEED)
+def _drop_pages(mapping: mmap.mmap | None) -> None:
+    if mapping is not None:
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def _register_cleanup(home: SSDHome, directory: Path) -> None:
@@ -205,7 +209,12 @@ def offload_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Mo
     """Move the optimizer's per-parameter moments (e.g. AdamW's ``exp_avg``/``exp_avg_sq``)
     of SSD-offloaded shards into the same files, after the optimizer's first step, and drop
     every offloaded page after each step. Call once, right after building the optimizer."""
-    homes = {id(flat.shard): flat.home for unit in units_of(model) for flat in unit.flat_params}
+    homes = {
+        id(p): flat.home
+        for unit in units_of(model)
+        for flat in unit.flat_params
+        for p in flat.optimizer_params()
+    }
     moved: set[int] = set()
 
     def after_step(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:

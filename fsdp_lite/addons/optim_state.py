@@ -283,6 +283,7 @@ def load_full_optim_state_dict(
     held = held_names(root, optimizer, entries)
     check_known(held, kinds)
     check_groups(held, groups)
+    check_saved_shapes(root, kinds)  # on every rank: an entry sees only its own names
     layouts = [entry_state_keys(e, kinds) for e in entries]  # all checks before any write
     per_entry: list[dict[str, Any]] = []
     for e, keys in zip(entries, layouts, strict=True):
@@ -465,6 +466,19 @@ def _keep_storage(optimizer: torch.optim.Optimizer, params: list, previous: list
             if same and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device):
                 old.copy_(new)
                 new_state[key] = old
+
+
+def check_saved_shapes(root: nn.Module, kinds: dict[str, dict[str, tuple]]) -> None:
+    """A saved state tensor of positive dimension must have its parameter's shape."""
+    names = param_names(root)
+    for flat in flat_params(root):
+        for slot in flat.slots:
+            for key, kind in kinds.get(names[id(slot)], {}).items():
+                if kind[0] == "tensor" and len(kind[1]) and tuple(kind[1]) != tuple(slot.shape):
+                    raise RuntimeError(
+                        f"optimizer state '{key}' of '{names[id(slot)]}' has shape {kind[1]}, "
+                        f"the parameter {tuple(slot.shape)}"
+                    )
 
 
 def check_known(held: list[set[str]], names: Any) -> None:

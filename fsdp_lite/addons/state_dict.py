@@ -202,7 +202,8 @@ def _gather_slots(flats: list[FlatParam], grads: bool, keep: bool) -> dict[Locat
             continue
         source = flat.shard
         if grads:
-            source = flat.grad if flat.grad is not None else torch.zeros_like(source)
+            grad = flat.grad_as_shard()
+            source = grad if grad is not None else torch.zeros_like(source)
         full = flat.gather_fp32(source)  # (numel,): the only full copy on this rank
         if keep:
             for slot in flat.slots:

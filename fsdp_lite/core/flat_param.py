@@ -188,6 +188,7 @@ class FlatParam:
         self.orig_params: list[OrigParam] | None = None
         self._linked_grad: weakref.ref | None = None
         self._linked_views: list[weakref.ref] | None = None
+        self.warned_thawed = False  # an orig param of a frozen flat param set trainable
         global _step_hook
         if _step_hook is None:
             _step_hook = register_optimizer_step_post_hook(_count_step)
@@ -376,60 +377,72 @@ class FlatParam:
             return [self.shard]
         return [o.param for o in self.orig_params]
 
-    @property
-    def grad(self) -> torch.Tensor | None:
-        """The shard's gradient as the optimizer's parameters define it (orig params:
-        regions whose grads were set to None read as zero; none at all when all were)."""
-        return self.sync_orig_grads()
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients an optimizer over this flat param would step: the shard's, or
+        each orig param's that is not None (what clipping scales and norms count)."""
+        if self.orig_params is None:
+            return [] if self.shard.grad is None else [self.shard.grad]
+        return [g for o in self.orig_params if (g := o.param.grad) is not None]
 
-    def sync_orig_grads(self) -> torch.Tensor | None:
-        """Orig params: make their grads and the shard grad one again, and return it.
+    def grad_as_shard(self) -> torch.Tensor | None:
+        """The gradients as one shard-shaped tensor (zeros where an orig param has none),
+        for reading; None where there are none."""
+        if self.orig_params is None:
+            return self.shard.grad
+        if not self.grads():
+            return None
+        out = torch.zeros_like(self.shard.detach())
+        for o in self.orig_params:
+            if o.param.grad is not None:
+                out[o.at : o.at + o.numel].copy_(o.param.grad.reshape(-1))
+        return out
+
+    def _fold_orig_grads(self) -> torch.Tensor | None:
+        """Before an accumulation: the shard grad as the orig params' grads define it.
 
         Between backwards the orig params' grads are views of one shard-shaped tensor that
-        only they hold (``shard.grad`` is None, this keeps weak references), so
-        ``zero_grad(set_to_none=True)`` frees it as it would a plain model's grads. Here
-        what was done to them since is folded in -- a grad set to None reads as zero, an
-        assigned tensor is copied in -- and each is pointed at its region again. Called
-        before each accumulation (``accumulate``), at the end of backward and by readers.
-        """
-        origs = self.orig_params
-        if origs is None:
-            return self.shard.grad
-        grad = self.shard.grad if self.shard.grad is not None else _deref(self._linked_grad)
-        stale: list[tuple[OrigParam, torch.Tensor | None]] = []
-        if grad is not None and grad is _deref(self._linked_grad):
-            views = [_deref(v) for v in self._linked_views or ()]
-            stale = [
-                (o, o.param.grad)
-                for o, v in zip(origs, views, strict=True)
-                if v is None or o.param.grad is not v
-            ]
-            if not stale:
-                self.shard.grad = None
-                return grad
-        elif grad is None:  # none yet, or every one was dropped: keep any assigned since
-            stale = [(o, o.param.grad) for o in origs if o.param.grad is not None]
-            if stale:
-                grad = torch.zeros_like(self.shard.detach())
+        only they hold (this keeps weak references), so ``zero_grad(set_to_none=True)``
+        frees it as it would a plain model's grads. If every one is still that view, it is
+        accumulated into in place (as torch accumulates into ``p.grad``); if every one is
+        None, a new one is made; otherwise a new one is filled from their grads (None:
+        zero; an assigned tensor: its values), never writing into a tensor the user may
+        still hold."""
+        linked = _deref(self._linked_grad)
+        views = [_deref(v) for v in self._linked_views or ()]
+        current = [o.param.grad for o in self.orig_params]
+        frozen = [not o.param.requires_grad for o in self.orig_params]  # linked to none
+        if linked is not None and all(
+            (f and g is None) or (v is not None and g is v)
+            for g, v, f in zip(current, views, frozen, strict=True)
+        ):
+            return linked
+        if all(g is None for g in current):
+            return None
+        fresh = torch.zeros_like(self.shard.detach())
         with torch.no_grad():
-            for o, g in stale if grad is not None else ():
-                region = grad[o.at : o.at + o.numel]
-                region.zero_() if g is None else region.copy_(g.reshape(-1))
-        self.shard.grad = None
-        self._linked_grad = self._linked_views = None
-        if grad is not None:
-            views = [grad[o.at : o.at + o.numel].view(o.param.shape) for o in origs]
-            for o, view in zip(origs, views, strict=True):
-                o.param.grad = view
-            self._linked_grad = weakref.ref(grad)
-            self._linked_views = [weakref.ref(v) for v in views]
-        return grad
+            for o, g in zip(self.orig_params, current, strict=True):
+                if g is not None:
+                    fresh[o.at : o.at + o.numel].copy_(g.reshape(-1))
+        return fresh
+
+    def link_orig_grads(self) -> None:
+        """End of backward: point each trainable orig param's grad at its region of the
+        shard grad, which then only they hold. A piece whose ``requires_grad`` was turned
+        off after wrapping gets none, so no optimizer steps it."""
+        if self.orig_params is None or self.shard.grad is None:
+            return
+        grad, self.shard.grad = self.shard.grad, None
+        views = [grad[o.at : o.at + o.numel].view(o.param.shape) for o in self.orig_params]
+        for o, view in zip(self.orig_params, views, strict=True):
+            o.param.grad = view if o.param.requires_grad else None
+        self._linked_grad = weakref.ref(grad)
+        self._linked_views = [weakref.ref(v) for v in views]
 
     def accumulate(self, grad: torch.Tensor) -> None:
         """Add a reduced shard grad (compute device, reduce dtype) to the shard's fp32 grad,
-        in its home (orig params: pointed at again at the end of backward)."""
-        if self.orig_params is not None:
-            self.shard.grad = self.sync_orig_grads()
+        in its home (orig params: linked again at the end of backward)."""
+        if self.orig_params is not None and self.shard.grad is None:
+            self.shard.grad = self._fold_orig_grads()
         self.home.accumulate_grad(self, grad)
 
     def load_full(self, flat: torch.Tensor) -> None:

@@ -37,10 +37,7 @@ def nonfinite_units(
     """Names of the units with a non-finite grad on any rank (collective)."""
     flags = torch.tensor(
         [
-            any(
-                (g := f.grad) is not None and not bool(torch.isfinite(g).all())
-                for f in u.flat_params
-            )
+            any(not bool(torch.isfinite(g).all()) for f in u.flat_params for g in f.grads())
             for u in units
         ],
         dtype=torch.float32,

@@ -209,7 +209,7 @@ def finish_backward(ctx: RootContext) -> None:
             home.end_of_backward()
         for unit in ctx.units:
             for flat in unit.flat_params:
-                flat.sync_orig_grads()  # the optimizer's parameters see the new grads
+                flat.link_orig_grads()  # the optimizer's parameters see the new grads
         for unit in ctx.units:
             unit.end_backward()
         ctx.prefetched.clear()

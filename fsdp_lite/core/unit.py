@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -179,19 +180,31 @@ class Unit:
     def _check_requires_grad(self) -> None:
         """Refuse a shard whose ``requires_grad`` changed after wrapping: its flat param
         would keep training (frozen and trainable parameters are flattened apart, at wrap
-        time)."""
+        time). Orig params differ by rank, so no rank may raise alone: one turned off is
+        honoured (it gets no grad, so no optimizer steps it); one turned on in a frozen
+        flat param gets none either, with a warning."""
         for flat in self.flat_params:
-            changed = [p for p in flat.optimizer_params() if p.requires_grad != flat.requires_grad]
-            if changed:
+            if flat.shard.requires_grad != flat.requires_grad:
                 names = ", ".join(slot.name for slot in flat.slots[:3])
                 more = f" and {len(flat.slots) - 3} more" if len(flat.slots) > 3 else ""
                 raise RuntimeError(
                     f"fsdp_lite: requires_grad of a shard of unit '{self.name}' ({names}{more}) "
-                    f"changed after wrapping, to {changed[0].requires_grad}: fsdp_lite "
+                    f"changed after wrapping, to {flat.shard.requires_grad}: fsdp_lite "
                     "flattens frozen and trainable parameters apart when it wraps, so it cannot "
                     "follow the change. Set requires_grad on the original parameters before "
                     "wrapping (wrap again to change it), or put it back to "
                     f"{flat.requires_grad}"
+                )
+            if flat.requires_grad or flat.orig_params is None:
+                continue
+            thawed = [o.name for o in flat.orig_params if o.param.requires_grad]
+            if thawed and not flat.warned_thawed:
+                flat.warned_thawed = True
+                warnings.warn(
+                    f"fsdp_lite: requires_grad was turned on after wrapping for {thawed[:3]} of "
+                    f"unit '{self.name}', frozen when it was wrapped: they stay frozen (no "
+                    "gradient is computed for them). Set requires_grad before wrapping",
+                    stacklevel=2,
                 )
 
     def _check_enclosing_modules(self) -> None:
@@ -245,7 +258,13 @@ class Unit:
             return
         units = [self] + [u for m in self.module.modules() if (u := unit_of(m)) is not None]
         ctx = runtime.RootContext(units=units, prefetch=self.prefetch)
-        master = sum(f.shard.numel() * f.shard.element_size() for u in units for f in u.flat_params)
+        # The mean rank's master bytes, the same on every rank (whole params: ranks own
+        # different bytes, and decisions taken on this must agree across ranks).
+        master = sum(
+            f.padded_numel // f.world_size * f.shard.element_size()
+            for u in units
+            for f in u.flat_params
+        )
         names = {id(m): n for n, m in clean_named_modules(self.module)}
         for unit in units:
             unit.is_root = unit is self

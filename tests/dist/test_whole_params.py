@@ -146,6 +146,10 @@ def _runs(world: int, tmp: str) -> list:
         gpt_run("muon, whole params, norms as units (a rank owns none of each)", world,
                 wrap=functools.partial(wrap_blocks_and_norms, whole_params=True),
                 optimizers=muon_and_adamw, clip=0.05, accumulate=2),
+        gpt_run("muon, whole params, norms as units, SSD offload", world,
+                wrap=functools.partial(wrap_blocks_and_norms, whole_params=True,
+                                       offload=fsdp_lite.SSDOffload(tmp + "/norms")),
+                optimizers=muon_and_adamw),
         gpt_run("muon, whole params, meta-built", world, optimizers=muon_and_adamw,
                 wrap=lambda _ignored: wrap_blocks(_meta(gpt, seed=1234), whole_params=True)),
         gpt_run("muon, whole params, untied, 5 blocks", world, wrap=whole,
@@ -207,28 +211,67 @@ def _names_and_refusals(rank: int, world: int) -> dict:
         assert all(p.numel() > 0 for p in model.parameters())  # no empty optimizer tensor
 
     def grads_follow_zero_grad():
-        """zero_grad(set_to_none=True) on the optimizer's parameters drops the shard grad;
-        set_to_none=False zeroes it in place; an assigned grad is folded in."""
+        """zero_grad(set_to_none=True) drops the grads (a grad kept by the user keeps its
+        values); set_to_none=False zeroes them in place; an assigned grad is added to; a
+        grad set to None stays None through clipping; requires_grad turned off after
+        wrapping: no grad, so no optimizer steps it."""
         model = wrap_blocks(gpt(), whole_params=True)
         params = list(model.parameters())
-        flats = [f for u in units_of(model) for f in u.flat_params]
         x, y = (t.chunk(world)[rank] for t in token_batch(world, 0))
         model(x, y)[1].backward()
         assert all(p.grad is not None for p in params)
         first = [p.grad.clone() for p in params]
         model.zero_grad(set_to_none=False)
-        assert all(f.grad is None or not f.grad.any() for f in flats)
+        assert all(not g.any() for f in units_of(model)[0].flat_params for g in f.grads())
         model(x, y)[1].backward()
         assert all(torch.allclose(p.grad, g) for p, g in zip(params, first, strict=True))
+        kept = [p.grad for p in params]
         model.zero_grad()
-        assert all(f.grad is None for f in flats)
+        assert all(p.grad is None for p in params)
         params[0].grad = torch.ones_like(params[0])
         model(x, y)[1].backward()
         assert torch.allclose(params[0].grad, first[0] + 1)
+        assert all(torch.equal(k, g) for k, g in zip(kept, first, strict=True)), "user's copy"
+        params[1].grad = None
+        model.clip_grad_norm_(1.0)
+        assert params[1].grad is None
+        params[2].requires_grad_(False)
+        model.zero_grad()
+        model(x, y)[1].backward()
+        assert params[2].grad is None and params[3].grad is not None
+        with pytest.raises(TypeError, match="cut the optimizer's parameters"):
+            model.to("meta")
+
+    def scaler_unscales_and_agrees_on_overflow():
+        """ShardedGradScaler over orig params: unscale_ gives the unscaled grads; an inf in
+        one rank's piece makes every rank skip the step."""
+        model = wrap_blocks(gpt(), whole_params=True)
+        params = list(model.parameters())
+        opt = decay_groups(model)[0]
+        scaler = fsdp_lite.ShardedGradScaler("cpu", init_scale=2.0**10)
+        x, y = (t.chunk(world)[rank] for t in token_batch(world, 0))
+        model(x, y)[1].backward()
+        plain = [p.grad.clone() for p in params]
+        opt.zero_grad()
+        scaler.scale(model(x, y)[1]).backward()
+        scaler.unscale_(opt)
+        assert all(torch.allclose(p.grad, g, rtol=1e-4, atol=1e-9) for p, g in zip(params, plain))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scaler.scale(model(x, y)[1]).backward()
+        if rank == 0:
+            params[0].grad.view(-1)[0] = float("inf")
+        before = [p.detach().clone() for p in params]
+        scaler.step(opt)
+        scaler.update()
+        assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+        assert scaler.get_scale() < 2.0**10
 
     return run_subtests(
         [
             ("names are the reference's", names_are_the_reference_names),
+            ("ShardedGradScaler", scaler_unscales_and_agrees_on_overflow),
             ("Muon refuses partial pieces", muon_refuses_partial_pieces),
             ("grads follow zero_grad", grads_follow_zero_grad),
             ("empty shards", empty_shards_when_a_unit_has_fewer_parameters_than_ranks),
