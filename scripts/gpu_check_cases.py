@@ -76,6 +76,22 @@ def _compared(run: Run) -> Callable[[], str]:
     return check
 
 
+def _muon(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """Muon on the blocks' matrices (whole params), AdamW on the rest (README's recipe)."""
+    named = list(model.named_parameters())
+    mats = [p for n, p in named if p.ndim == 2 and "blocks." in n]
+    rest = [p for n, p in named if not (p.ndim == 2 and "blocks." in n)]
+    return [
+        torch.optim.Muon([{"params": mats}], lr=0.02),
+        torch.optim.AdamW([{"params": rest}], lr=1e-3, eps=1e-6),
+    ]
+
+
+def _whole_muon(name: str, device: torch.device) -> Run:
+    # torch's Muon orthogonalizes in bf16: compared at the bf16 tolerance
+    return _run(name, device, "bf16", wrap_kw={"whole_params": True}, optimizers=_muon)
+
+
 def w1_checks(device: torch.device, tmp: str) -> list[tuple[str, Callable[[], str]]]:
     cpu, ssd = fsdp_lite.CPUOffload(), fsdp_lite.SSDOffload(os.path.join(tmp, "ssd"))
     return [
@@ -89,6 +105,7 @@ def w1_checks(device: torch.device, tmp: str) -> list[tuple[str, Callable[[], st
         ("SSD offload vs reference", _compared(_run("ssd", device, wrap_kw={"offload": ssd}))),
         ("save_checkpoint / load_checkpoint of device shards", lambda: _checkpoint(device, tmp)),
         ("HF Llama generate(), wrapped = unwrapped", lambda: _generate(device)),
+        ("whole params + Muon vs reference", _compared(_whole_muon("muon", device))),
     ]
 
 
@@ -158,7 +175,7 @@ def w2_gloo(rank: int, world: int, device: str) -> dict:
     from fsdp_lite.testing.subtests import run_subtests
 
     dev = torch.device(device)
-    runs = [_run("gpt", dev), _run("gpt", dev, "bf16")]
+    runs = [_run("gpt", dev), _run("gpt", dev, "bf16"), _whole_muon("whole params + Muon", dev)]
     return run_subtests(
         (f"W=2 gloo {r.name}", functools.partial(compare_training, r)) for r in runs
     )
