@@ -12,6 +12,7 @@ W=3, where shards are uneven and some rank owns nothing of a unit.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -274,9 +275,27 @@ def _names_and_refusals(rank: int, world: int) -> dict:
         assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
         assert scaler.get_scale() < 2.0**10
 
+    def summon_shows_full_parameters_and_writes_back():
+        """Inside summon_full_params the full parameters replace this rank's pieces under
+        the same names; an edit written back reaches the owner's piece."""
+        ref = gpt()
+        model = wrap_blocks(copy.deepcopy(ref), whole_params=True)
+        with model.summon_full_params():
+            full = dict(model.named_parameters())
+            assert {n: p.shape for n, p in full.items()} == {
+                n: p.shape for n, p in ref.named_parameters()
+            }
+            with torch.no_grad():
+                full["blocks.0.mlp.fc.weight"].add_(1.0)
+        mine = dict(model.named_parameters())
+        if "blocks.0.mlp.fc.weight" in mine:
+            want = ref.blocks[0].mlp.fc.weight + 1.0
+            assert torch.allclose(mine["blocks.0.mlp.fc.weight"], want)
+
     return run_subtests(
         [
             ("names are the reference's", names_are_the_reference_names),
+            ("summon_full_params", summon_shows_full_parameters_and_writes_back),
             ("ShardedGradScaler", scaler_unscales_and_agrees_on_overflow),
             ("Muon refuses partial pieces", muon_refuses_partial_pieces),
             ("grads follow zero_grad", grads_follow_zero_grad),
