@@ -31,6 +31,9 @@ from fsdp_lite.testing.models import GPT, Block, GPTConfig
 
 SYSTEMS = ("fsdp_lite", "fsdp_lite-nocheck", "fsdp2", "fsdp1", "ddp")
 # fsdp_lite-nocheck: fsdp_lite with its divergence check off, to price the check.
+# fsdp_lite-orig / fsdp_lite-whole (not in SYSTEMS; bench_host uses them): the optimizer
+# over use_orig_params pieces / whole_params parameters instead of flat shards.
+LAYOUTS = {"fsdp_lite-orig": {"use_orig_params": True}, "fsdp_lite-whole": {"whole_params": True}}
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -117,6 +120,7 @@ def _wrap(system: str, precision: str, cfg: BenchConfig, device: torch.device) -
             auto_wrap_policy=fsdp_lite.wrap.by_type(Block),
             mixed_precision=mp if bf16 else None,
             device=device,
+            **LAYOUTS.get(system, {}),
         )
     if system == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
