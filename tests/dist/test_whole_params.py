@@ -43,13 +43,14 @@ from fsdp_lite.testing.reference import compare_runs
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
 
 
-def decay_groups(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
-    """nanoGPT's configure_optimizers: decay matrices, not biases, norms (by ndim)."""
+def decay_groups(model: torch.nn.Module, **kw) -> list[torch.optim.Optimizer]:
+    """nanoGPT's configure_optimizers: decay matrices, not biases, norms (by ndim);
+    ``kw``: e.g. fused=True (one kernel over every piece)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for _, p in named if p.ndim >= 2]
     rest = [p for _, p in named if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-    return [torch.optim.AdamW(groups, lr=1e-3, eps=1e-6)]
+    return [torch.optim.AdamW(groups, lr=1e-3, eps=1e-6, **kw)]
 
 
 def muon_and_adamw(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
@@ -157,6 +158,10 @@ def _runs(world: int, tmp: str) -> list:
                 wrap=functools.partial(wrap_blocks_and_norms, whole_params=True,
                                        offload=fsdp_lite.SSDOffload(tmp + "/norms")),
                 optimizers=muon_and_adamw),
+        gpt_run("decay groups, whole params, fused AdamW", world, wrap=whole,
+                optimizers=functools.partial(decay_groups, fused=True)),
+        gpt_run("decay groups, default layout, foreach AdamW", world, wrap=orig,
+                optimizers=functools.partial(decay_groups, foreach=True)),
         gpt_run("muon, whole params, meta-built", world, optimizers=muon_and_adamw,
                 wrap=lambda _ignored: wrap_blocks(_meta(gpt, seed=1234), whole_params=True)),
         gpt_run("muon, whole params, untied, 5 blocks", world, wrap=whole,
