@@ -137,17 +137,7 @@ class FlatParam:
         self.compute_dtype = compute_dtype
         self.requires_grad = originals[0].requires_grad
         self.numel = sum(s.numel for s in slots)  # unpadded
-        # Rank r keeps elements [bounds[r], bounds[r + 1]) of the padded flat param: a
-        # ceil(numel / W) slice each, or (whole params) the slots ``owners`` gives it.
-        self.bounds = _even_bounds(self.numel, self.world_size)
-        self.whole = owners is not None  # cut on parameter boundaries
-        if owners is not None:
-            self.bounds = _slot_bounds(slots, owners, self.world_size)
-        self.padded_numel = self.bounds[-1]
-        self.shard_numel = self.bounds[self.rank + 1] - self.bounds[self.rank]
-        sizes = [b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False)]
-        # Each rank's shard size where they differ (collectives then take per-rank sizes).
-        self.sizes = sizes if len(set(sizes)) > 1 else None
+        self._lay_out(owners)
         # Weak references to the original parameters, so an enclosing unit can tell
         # that a parameter it meets was already flattened here (a tie across units).
         self.original_refs = [weakref.ref(p) for p in originals]
@@ -192,6 +182,20 @@ class FlatParam:
         global _step_hook
         if _step_hook is None:
             _step_hook = register_optimizer_step_post_hook(_count_step)
+
+    def _lay_out(self, owners: list[int] | None) -> None:
+        """Rank r keeps elements ``[bounds[r], bounds[r + 1])`` of the padded flat param: a
+        ``ceil(numel / W)`` slice each, or (whole params) the slots ``owners`` gives it."""
+        self.whole = owners is not None  # cut on parameter boundaries
+        if owners is None:
+            self.bounds = _even_bounds(self.numel, self.world_size)
+        else:
+            self.bounds = _slot_bounds(self.slots, owners, self.world_size)
+        self.padded_numel = self.bounds[-1]
+        self.shard_numel = self.bounds[self.rank + 1] - self.bounds[self.rank]
+        # Each rank's shard size where they differ (collectives then take per-rank sizes).
+        sizes = [b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False)]
+        self.sizes = sizes if len(set(sizes)) > 1 else None
 
     # -- storage -----------------------------------------------------------------
 
