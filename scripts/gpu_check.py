@@ -80,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     with out.open("w") as summary:
         _write(summary, _header(args))
         failed = 0
-        for part in parts:
+        for i, part in enumerate(parts):
+            # this part's share of what is left: time an earlier part did not use goes on
             left = args.budget - (time.monotonic() - start)
-            share = args.budget * SHARES[part] / sum(SHARES[p] for p in parts)
+            share = left * SHARES[part] / sum(SHARES[p] for p in parts[i:])
             limit = min(left, max(share, 30.0))
             if limit < 20:
                 _write(summary, f"\n## {part}\n\nSKIP {part}: out of budget ({left:.0f} s left)\n")

@@ -1,10 +1,12 @@
 """Offload homes for shards and shard grads: CPU memory, or files (the compute device's,
 the default, is ``home.DeviceHome``).
 
-A unit talks to its flat params' home at four points only: once at wrap time
+A unit talks to its flat params' home at five points only: once at wrap time
 (``place``), before each gather (``shard_for_gather`` / ``after_gather``), after each
-reduce-scatter (``accumulate_grad``) and at the end of backward (``end_of_backward``);
-``offload_optimizer_state`` adds the optimizer step. Each home is one small class.
+reduce-scatter (``accumulate_grad``), and at the end of the root's forward and of backward
+(``end_of_forward`` / ``end_of_backward``); host writes outside the step
+(``before_host_write``) and ``offload_optimizer_state``'s optimizer step come from outside.
+Each home is one small class.
 
 [Note: SSD homes are memory-mapped]
 An SSD home keeps each shard, shard grad and (optionally) optimizer moment in a file
@@ -100,6 +102,15 @@ class CPUHome(DeviceHome):
 
     def before_host_write(self, flat: FlatParam) -> None:
         devices.wait(self._uploads.pop(id(flat), None))
+
+    def end_of_forward(self) -> None:
+        # A forward with no backward after it (a validation loss between backward() and
+        # opt.step()) leaves uploads that may still read the pinned shards the optimizer
+        # writes next. They run on a side stream that waits for no compute, so this blocks
+        # the host only until the last of them has been read, not for the forward's compute.
+        for event in self._uploads.values():
+            devices.wait(event)
+        self._uploads.clear()
 
     def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
         if self.device.type == "cpu":

@@ -1,6 +1,6 @@
 """Where a flat param's shard and shard grad live between uses. The default home, the
 compute device, is here; the offload homes (CPU memory, files) extend it in
-``addons/offload.py``. The four points a unit calls a home at are listed there."""
+``addons/offload.py``. The points a unit calls a home at are listed there."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ class DeviceHome:
             shard.grad = grad.to(shard.dtype)
         else:
             shard.grad.add_(grad)
+
+    def end_of_forward(self) -> None:
+        """The root's forward has ended; the optimizer may write the shards next."""
 
     def end_of_backward(self) -> None:
         pass

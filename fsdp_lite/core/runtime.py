@@ -122,12 +122,21 @@ def recover_if_interrupted(ctx: RootContext) -> None:
 
 
 def end_of_root_forward(ctx: RootContext) -> None:
-    """Freeze the forward order after the first pass; free gathers nobody used."""
+    """Freeze the forward order after the first pass; free gathers nobody used; let every
+    home settle its forward's copies (a forward need not be followed by a backward: the
+    optimizer may write offloaded shards next)."""
     ctx.forward_order.freeze()
     for unit in ctx.prefetched:
         if unit.state is TrainingState.IDLE:
             unit.reshard()
     ctx.prefetched.clear()
+    for home in _homes(ctx):
+        home.end_of_forward()
+
+
+def _homes(ctx: RootContext) -> list:
+    """The root's homes, each once (units may share one)."""
+    return list({id(f.home): f.home for u in ctx.units for f in u.flat_params}.values())
 
 
 def in_backward() -> bool:
@@ -204,8 +213,7 @@ def finish_backward(ctx: RootContext) -> None:
         for pending in ctx.pending:
             pending.finish()
         ctx.pending.clear()
-        homes = {id(f.home): f.home for u in ctx.units for f in u.flat_params}
-        for home in homes.values():
+        for home in _homes(ctx):
             home.end_of_backward()
         for unit in ctx.units:
             for flat in unit.flat_params:

@@ -5,6 +5,7 @@ The multi-rank and NCCL checks are ``make gpu-check``'s (scripts/gpu_check.py)."
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -71,3 +72,43 @@ def test_load_after_an_eval_forward_with_cpu_offload(world1) -> None:
     with torch.no_grad():
         got, want = model(x)[0], other.cuda()(x)[0]
     torch.testing.assert_close(got, want)
+
+
+def _hold_upload_stream(device: torch.device, seconds: float = 0.1) -> None:
+    """Queue a spin on the side stream that carries CPU-offload uploads, so every upload
+    issued next is still waiting when the host goes on: the race below then always shows
+    instead of depending on timing."""
+    from fsdp_lite.core import devices
+
+    stream = devices._SIDE_STREAMS[device]
+    rate = torch.cuda.get_device_properties(device).clock_rate * 1e3  # kHz -> cycles/s
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(seconds * rate))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_validation_forward_between_backward_and_step_with_cpu_offload(world1, grad) -> None:
+    """backward(), a validation forward, then opt.step(): the optimizer writes the pinned
+    host shards that the forward's uploads read. The forward must see the shards from
+    before the step (the reference's), never the optimizer's half-written update."""
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig())
+    model = _wrap(copy.deepcopy(ref), offload=fsdp_lite.CPUOffload())
+    ref = ref.cuda()
+    device = torch.device("cuda", torch.cuda.current_device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(3):
+        x, y = (t.cuda() for t in _batch(step))
+        for m in (model, ref):
+            m(x, y)[1].backward()
+        _hold_upload_stream(device)
+        with torch.set_grad_enabled(grad):
+            got = model(x)[0].detach()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            want = ref(x)[0]
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(got, want, msg=lambda m, step=step: f"step {step}: {m}")
