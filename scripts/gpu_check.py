@@ -212,7 +212,7 @@ def _checked(name: str, fn, *args) -> None:
 def part_tier(ctx: _Context) -> None:
     """The suite's CUDA tier; without CUDA every test skips (that is the pass)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"]
-    env = dict(os.environ)
+    env = {**os.environ, "COLUMNS": "300"}  # pytest's summary lines keep their messages
     if ctx.dry:
         env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
