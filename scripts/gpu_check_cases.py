@@ -365,7 +365,12 @@ def _llama_system(system: str, cfg, device: torch.device) -> tuple[nn.Module, Ca
 def _time_llama(
     system: str, cfg, device: torch.device, x: torch.Tensor, warmup: int, steps: int
 ) -> tuple[float, int, int]:
-    """Seconds per step, parameters and peak device bytes of one system's timed steps."""
+    """Seconds per step, parameters and peak device bytes of one system's timed steps (over
+    what was allocated before it was built: nothing of an earlier system counts)."""
+    import gc
+
+    gc.collect()
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     model, autocast = _llama_system(system, cfg, device)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -387,7 +392,7 @@ def _time_llama(
         step()
     _sync(device)
     seconds = (time.perf_counter() - t0) / steps
-    mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    mem = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
     return seconds, params, mem  # the model and optimizer go with this frame
 
 

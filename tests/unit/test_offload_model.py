@@ -463,7 +463,7 @@ def test_cuda_losses_and_grads_equal_plain_model_on_cuda(checkpoint: bool) -> No
     x = torch.randn(8, 8, device=cuda)
     want = step(lambda t: reference(plain, om.slices, t, m), x, seed=1)
     got = step(om, x.cpu(), seed=1)
-    assert got.device == cuda
+    assert got.device.type == "cuda"
     assert_equal(got, want, exact=False)
     for p, q in zip(om.parameters(), plain.parameters(), strict=True):
         assert p.device == CPU and p.grad.device == CPU
