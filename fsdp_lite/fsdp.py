@@ -59,9 +59,7 @@ class FSDPModule(nn.Module):
         reshard_after_forward: free the full parameters after forward and re-gather them
             in backward (``False`` keeps them until the end of backward: less
             communication, more memory). ``None`` (default): ``True`` for every unit but
-            the root and, with backward prefetching on, from the second iteration the unit
-            whose backward runs first after the root's (the last block of a transformer):
-            backward would gather both again at once.
+            the root, whose backward runs first, as FSDP2's default.
         mixed_precision: compute and communication dtypes (``None``: compute in the module's
             own dtype -- fp32, or bf16 for a model loaded in bf16 -- and reduce gradients in
             fp32). ``model.to(dtype)`` after wrapping is refused: it would cast the masters.

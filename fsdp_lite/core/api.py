@@ -67,9 +67,8 @@ class PrefetchPolicy:
     Args:
         forward: when a unit starts its forward, gather the next units in forward order.
         backward: when a unit's backward starts, gather the next units in backward order
-            (before this unit's reduce-scatter is issued). Also keeps the first unit in
-            backward order after the root gathered from its forward on, when its
-            ``reshard_after_forward`` is left at the default.
+            (before this unit's reduce-scatter is issued); the root's backward, the step's
+            highest point, prefetches nothing.
         max_in_flight: how many units' gathers may be in flight at once, the running
             unit's own included: 2 (the default) gathers one unit ahead, as PyTorch's FSDP
             does; 1 prefetches nothing. Bounds memory: at most ``max_in_flight`` units

@@ -101,9 +101,6 @@ class Unit:
         self.ctx: runtime.RootContext | None = None  # shared by every unit of the root's tree
         self.name = type(module).__name__  # the module path, from lazy init on
         self.frozen_early = False  # frozen flat params freed in backward (see Note)
-        # Its full parameters outweigh this rank's master shards of the whole tree: the root
-        # neither keeps it gathered from forward nor prefetches it (keeps_full_after_forward).
-        self.outweighs_masters = False
         self.watches: weakref.WeakSet = weakref.WeakSet()  # forward calls awaiting input grads
         self.grads_pending: set[int] = set()  # id of trainable flats not reduced this backward
         self.enclosure_checked = False  # see _check_enclosing_modules
@@ -240,16 +237,8 @@ class Unit:
     def keeps_full_after_forward(self) -> bool:
         """After a forward that built a graph: keep the full parameters for backward?
         (``schedule.keeps_full_after_forward``, from this unit's facts.)"""
-        ctx = self.ctx
-        recorded = ctx.backward_order.recorded or []
-        first = next((u for u in recorded if not u.is_root), None)
         return schedule.keeps_full_after_forward(
-            reshard_after_forward=self.reshard_after_forward,
-            is_root=self.is_root is True,
-            prefetch=ctx.prefetch,
-            first_in_backward=first is self,
-            on_track=ctx.forward_order.on_track,
-            outweighs_masters=self.outweighs_masters,
+            reshard_after_forward=self.reshard_after_forward, is_root=self.is_root is True
         )
 
     def lazy_init(self) -> None:
@@ -258,13 +247,6 @@ class Unit:
             return
         units = [self] + [u for m in self.module.modules() if (u := unit_of(m)) is not None]
         ctx = runtime.RootContext(units=units, prefetch=self.prefetch)
-        # The mean rank's master bytes, the same on every rank (whole params: ranks own
-        # different bytes, and decisions taken on this must agree across ranks).
-        master = sum(
-            f.padded_numel // f.world_size * f.shard.element_size()
-            for u in units
-            for f in u.flat_params
-        )
         names = {id(m): n for n, m in clean_named_modules(self.module)}
         for unit in units:
             unit.is_root = unit is self
@@ -275,8 +257,6 @@ class Unit:
                 flat.unit_name, flat.unit_key = unit.name, id(unit)
                 flat.placeholders = None  # placeholders made from now on name the unit
         for unit in units:
-            full = sum(f.full_nbytes for f in unit.flat_params)
-            unit.outweighs_masters = not unit.is_root and full > master
             unit.frozen_early = _frees_frozen_early(unit, units)
             check_replicas_agree(unit)
 
@@ -293,7 +273,6 @@ class Unit:
                 backward=backward,
                 from_root=self.is_root is True,
                 target_started=other.state is not TrainingState.IDLE,
-                target_outweighs=other.outweighs_masters,
             ):
                 continue
             ctx.prefetched.add(other)

@@ -79,17 +79,24 @@ FIRST = [
     f"RS {B0}",
     f"RS {R}",
 ]
-# With backward prefetching on, from iteration 2 blocks.1 (first in backward after the
-# root) stays gathered after forward, like the root: one gather fewer.
-SECOND = [f"AG {R}", f"AG {B0}", f"AG {B1}", f"RS {B1}", f"AG {B0}", f"RS {B0}", f"RS {R}"]
 EXPECTED = {
     "off": [FIRST, FIRST],
-    "limit 1": [FIRST, SECOND],  # only the running unit's own gather is in flight
-    # blocks.1's forward prefetches nothing (last); its backward prefetches blocks.0
-    # before its own reduce-scatter.
+    "limit 1": [FIRST, FIRST],  # only the running unit's own gather is in flight
+    # From iteration 2, blocks.1's forward prefetches nothing (last); its backward
+    # gathers it again (the root's backward prefetches nothing: the step's highest point)
+    # and prefetches blocks.0 before its own reduce-scatter.
     "limit 2": [
         FIRST,
-        [f"AG {R}", f"AG {B0}", f"AG {B1}", f"AG {B0}", f"RS {B1}", f"RS {B0}", f"RS {R}"],
+        [
+            f"AG {R}",
+            f"AG {B0}",
+            f"AG {B1}",
+            f"AG {B1}",
+            f"AG {B0}",
+            f"RS {B1}",
+            f"RS {B0}",
+            f"RS {R}",
+        ],
     ],
 }
 

@@ -8,8 +8,8 @@ Each term is one named line of the breakdown, each following one place of the co
   dtype (AdamW: ``exp_avg``, ``exp_avg_sq``, plus a 4-byte ``step`` per shard on CPU).
 - ``buffers``: the model's buffers on the compute device (``prepare_buffers``).
 - ``gathered_units``: full buffers allocated now (``FlatParam.unshard`` .. ``reshard``):
-  the running unit's, the prefetched ones' (``PrefetchPolicy``), the root's and, by default,
-  the first unit in backward order after it, kept from forward (``keeps_full_after_forward``).
+  the running unit's, the prefetched ones' (``PrefetchPolicy``) and, by default, the root's,
+  kept from forward (``keeps_full_after_forward``).
 - ``gather_buffers``: the shard cast to the compute dtype that an all-gather sends, kept
   until the gather is waited for (``FlatParam._gather_send``).
 - ``full_gradients``: (traced) a unit's parameter gradients in the compute dtype until
@@ -105,11 +105,6 @@ class _Replay:
         self.recorded_forward = [m.unit for m in _firsts(trace.marks, "pre_forward")]
         self.backward_order = [m.unit for m in _firsts(trace.marks, "pre_backward")]
         self.started: set[int] = set()  # units whose backward began
-        # Unit.outweighs_masters: full bytes above every unit's master shards.
-        masters = self.resident["shards"]
-        self.outweighs = {
-            i for i, u in enumerate(units) if not u.is_root and u.full_bytes > masters
-        }
         self.reduced: set[tuple[int, int]] = set()
         self.peak = Peak()
 
@@ -229,7 +224,6 @@ def _prefetch(r: _Replay, unit: int, order: list[int], backward: bool) -> None:
             backward=backward,
             from_root=r.units[unit].is_root,
             target_started=other in r.started,
-            target_outweighs=other in r.outweighs,
         ):
             continue
         send = r._gather(other)
@@ -239,14 +233,8 @@ def _prefetch(r: _Replay, unit: int, order: list[int], backward: bool) -> None:
 
 def _keeps_full(r: _Replay, unit: int) -> bool:
     """``Unit.keeps_full_after_forward`` in the steady state (orders recorded, on track)."""
-    first = next((u for u in r.backward_order if not r.units[u].is_root), None)
     return schedule.keeps_full_after_forward(
-        reshard_after_forward=r.cfg.reshard_after_forward,
-        is_root=r.units[unit].is_root,
-        prefetch=r.cfg.prefetch,
-        first_in_backward=first == unit,
-        on_track=True,
-        outweighs_masters=unit in r.outweighs,
+        reshard_after_forward=r.cfg.reshard_after_forward, is_root=r.units[unit].is_root
     )
 
 
