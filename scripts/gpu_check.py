@@ -44,8 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("tier", "w1", "w2", "fake8", "syncs", "bench", "compile")
 # Share of the budget each part may take (the bench and the tier are the long ones).
-SHARES = {"tier": 0.1, "w1": 0.2, "w2": 0.1, "fake8": 0.1, "syncs": 0.05, "bench": 0.35,
-          "compile": 0.1}  # fmt: skip
+SHARES = {"tier": 0.1, "w1": 0.15, "w2": 0.1, "fake8": 0.1, "syncs": 0.05, "bench": 0.3,
+          "compile": 0.2}  # fmt: skip
 # Dense bf16 peak, FLOP/s, by device name (datasheet, SXM parts).
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 

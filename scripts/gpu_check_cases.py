@@ -404,6 +404,7 @@ def llama_bench(device: torch.device, dry: bool, peaks: dict[str, float]) -> Ite
     peak_mem: dict[str, int] = {}
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+    _take_cublas_workspaces(device)
     for _ in range(rounds):
         for system in ("fsdp_lite", "fsdp2", "unwrapped"):
             seconds, params, mem = _time_llama(system, cfg, device, x, warmup, steps)
@@ -437,6 +438,14 @@ def llama_bench(device: torch.device, dry: bool, peaks: dict[str, float]) -> Ite
         targets.append(("fsdp_lite peak <= FSDP2's", peak_mem["fsdp_lite"] <= peak_mem["fsdp2"]))
     for what, ok in targets:
         yield target(ok, what, dry)
+
+
+def _take_cublas_workspaces(device: torch.device) -> None:
+    """The first matmul of a thread on a stream takes cuBLAS's workspace (32 MiB on Hopper)
+    from the caching allocator: forward's (this thread) and backward's (autograd's) are
+    taken here, so that they count for no system (else for whichever runs first)."""
+    w = torch.ones(8, 8, device=device, requires_grad=True)
+    (w @ w).sum().backward()
 
 
 def _sync(device: torch.device) -> None:
@@ -489,33 +498,35 @@ def _time_gpt(
 
 
 def compile_bench(device: torch.device, dry: bool) -> Iterator[str]:
+    """Compiled against eager blocks, wrapped and unwrapped, at a batch where the lent
+    machine's host issues the step about as fast as the GPU runs it and at one 4x larger
+    (the GPU's time dominates)."""
     cfg = GPTConfig(
         vocab_size=512 if dry else 8192, block_size=64 if dry else 1024, n_layer=2 if dry else 8,
         n_head=4 if dry else 16, n_embd=64 if dry else 1024, tie_weights=False,
     )  # fmt: skip
-    seq, batch = (64, 2) if dry else (1024, 8)
-    steps = 2 if dry else 10
-    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    seq, batches = (64, (2,)) if dry else (1024, (8, 32))
+    steps = 2 if dry else 8
+    yield f"INFO GPT {cfg.n_layer} blocks, dim {cfg.n_embd}, seq {seq}, bf16, W=1"
+    yield "| model | batch | blocks | tokens/s | vs eager | loss@0 |"
+    yield "|---|---:|---|---:|---:|---:|"
     rates, losses = {}, {}
-    for wrapped in (True, False):
-        for mode in ("eager", "compiled"):
-            key = (wrapped, mode)
-            first_s, losses[key], seconds = _time_gpt(
-                mode, wrapped, cfg, device, x.to(device), steps
-            )
-            rates[key] = seq * batch / seconds
+    for batch in batches:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+        for wrapped in (True, False):
             who = "fsdp_lite" if wrapped else "unwrapped"
-            yield f"INFO {who} {mode}: first step {first_s:.1f} s"
-    yield f"INFO GPT {cfg.n_layer} blocks, dim {cfg.n_embd}, seq {seq} x {batch}, bf16, W=1"
-    yield "| model | blocks | tokens/s | vs eager | loss@0 |"
-    yield "|---|---|---:|---:|---:|"
-    for (wrapped, mode), rate in rates.items():
-        ratio = rate / rates[(wrapped, "eager")]
-        who = "fsdp_lite" if wrapped else "unwrapped"
-        yield f"| {who} | {mode} | {rate:,.0f} | {ratio:.2f}x | {losses[(wrapped, mode)]:.6f} |"
-    eager, compiled = losses[(True, "eager")], losses[(True, "compiled")]
+            for mode in ("eager", "compiled"):
+                key = (batch, wrapped, mode)
+                _, losses[key], seconds = _time_gpt(mode, wrapped, cfg, device, x, steps)
+                rates[key] = seq * batch / seconds
+                ratio = rates[key] / rates[(batch, wrapped, "eager")]
+                rate, loss = f"{rates[key]:,.0f}", f"{losses[key]:.6f}"
+                yield f"| {who} | {batch} | {mode} | {rate} | {ratio:.2f}x | {loss} |"
+    big = batches[-1]
+    eager, compiled = losses[(big, True, "eager")], losses[(big, True, "compiled")]
     close = abs(compiled - eager) <= 2e-2 * abs(eager)
     verdict = "PASS" if close else "FAIL"
     yield f"{verdict} compiled blocks: first loss equals eager's (bf16 tolerance)"
-    ok = rates[(True, "compiled")] >= rates[(True, "eager")]
-    yield target(ok, "compiled blocks >= eager tokens/s", dry)
+    ok = rates[(big, True, "compiled")] >= rates[(big, True, "eager")]
+    yield target(ok, f"compiled blocks >= eager tokens/s (batch {big})", dry)
