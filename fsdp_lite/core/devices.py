@@ -28,7 +28,7 @@ def default_device(
     """The compute device of this rank.
 
     The one given (``"cuda"`` without an index: the current CUDA device; an int n:
-    ``cuda:n``). Else, when CUDA is available: the current CUDA device when it is
+    ``cuda:n``), made the current CUDA device. Else, when CUDA is available: the current CUDA device when it is
     unambiguous -- the user set one (torch cannot say whether ``torch.cuda.set_device``
     was called, so a current device other than 0 counts as set), exactly one device is
     visible, or ``world_size`` is 1 (default: the default process group's, 1 without
@@ -37,7 +37,12 @@ def default_device(
     without CUDA.
     """
     if device is not None:
-        return resolve(device)
+        given = resolve(device)
+        if given.type == "cuda" and given.index != torch.cuda.current_device():
+            # Object collectives, barriers and NCCL's communicator use the current device:
+            # left at cuda:0, every rank of a node would put them on GPU 0.
+            torch.cuda.set_device(given)
+        return given
     if not torch.cuda.is_available():
         return torch.device("cpu")
     current, visible = torch.cuda.current_device(), torch.cuda.device_count()

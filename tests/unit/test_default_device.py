@@ -42,9 +42,22 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch):
         ("cpu", torch.device("cpu")),
     ],
 )
-def test_given_device_wins(fake_cuda, given, expected) -> None:
+def test_given_device_wins(fake_cuda, monkeypatch, given, expected) -> None:
     fake_cuda(current=6, visible=8, local_rank=1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     assert default_device(given, world_size=8) == expected
+
+
+def test_a_given_cuda_device_is_made_current(fake_cuda, monkeypatch) -> None:
+    fake_cuda(current=0, visible=8, local_rank=None)  # set_device never called
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    assert default_device("cuda:3", world_size=8) == torch.device("cuda", 3)
+    assert made_current == [torch.device("cuda", 3)]
+    for already_current in ("cuda", 0, "cpu"):
+        made_current.clear()
+        default_device(already_current, world_size=8)
+        assert made_current == [], already_current
 
 
 def test_cpu_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
