@@ -28,11 +28,12 @@ def default_device(
     """The compute device of this rank.
 
     The one given (``"cuda"`` without an index: the current CUDA device; an int n:
-    ``cuda:n``), made the current CUDA device. Else, when CUDA is available: the current CUDA device when it is
-    unambiguous -- the user set one (torch cannot say whether ``torch.cuda.set_device``
-    was called, so a current device other than 0 counts as set), exactly one device is
-    visible, or ``world_size`` is 1 (default: the default process group's, 1 without
-    one) -- else ``cuda:LOCAL_RANK`` (torchrun; made the current device), else
+    ``cuda:n``), made the current CUDA device. Else, when CUDA is available: the current
+    CUDA device when it is unambiguous -- the user set one (torch cannot say whether
+    ``torch.cuda.set_device`` was called, so a current device other than 0 counts as set),
+    exactly one device is visible, or ``world_size`` is 1 (default: the default process
+    group's, 1 without one) -- else ``cuda:LOCAL_RANK`` (torchrun; made the current
+    device), else
     ``RuntimeError``: guessing ``cuda:0`` would put every rank of a node on one GPU. CPU
     without CUDA.
     """

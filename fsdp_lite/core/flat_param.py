@@ -48,6 +48,13 @@ def shard_ranks(p: torch.Tensor) -> tuple[int, int] | None:
     return p.__dict__.get(_SHARD_ATTR)
 
 
+_DEVICE_FLAGS = {
+    torch._C.TensorBase.is_meta: "meta",
+    torch._C.TensorBase.is_cuda: "cuda",
+    torch._C.TensorBase.is_cpu: "cpu",
+}
+
+
 class FreedParameter(torch.Tensor):
     """What a parameter location holds while its unit's full buffer is freed (see Note):
     shape, dtype and device answer; any computation raises ``message``."""
@@ -57,8 +64,13 @@ class FreedParameter(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__self__", None) is torch._C.TensorBase.device:
+        attribute = getattr(func, "__self__", None)  # a property's descriptor, for its getter
+        if attribute is torch._C.TensorBase.device:
             return args[0].real_device
+        if attribute in _DEVICE_FLAGS:  # what the real device answers, not the meta tensor
+            return args[0].real_device.type == _DEVICE_FLAGS[attribute]
+        if attribute is torch._C.TensorBase.data:  # a write through it would reach nothing
+            raise RuntimeError(args[0].message.format(op=".data"))
         if getattr(func, "__name__", "") == "__get__" or func is torch.Tensor.__repr__:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))

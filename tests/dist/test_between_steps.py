@@ -82,6 +82,11 @@ def _read_weight_between_steps() -> None:
     weight = fc.weight
     assert weight.shape == ref.blocks[1].mlp.fc.weight.shape
     assert weight.dtype == torch.float32 and weight.device == torch.device("cpu")
+    assert weight.is_cpu and not weight.is_meta and not weight.is_cuda
+    with pytest.raises(RuntimeError, match=r"\.data on parameter 'mlp\.fc\.weight'.*summon_full"):
+        weight.data.normal_(0, 0.02)  # used to write into a meta tensor: nothing happened
+    with pytest.raises(RuntimeError, match="summon_full_params"):
+        torch.save(weight.data, "unused.pt")
     with pytest.raises(RuntimeError, match=r"norm on parameter 'mlp\.fc\.weight' of "
                        r"unit blocks\.1.*summon_full_params"):  # fmt: skip
         weight.norm()
