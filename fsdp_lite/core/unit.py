@@ -33,6 +33,17 @@ that needs a gradient and reaches the unit other than through its arguments -- a
 attribute set by the caller, an object that is not a tuple, list, mapping or dataclass --
 is outside this argument.)
 
+[Note: why freeing at the gradient's hook is safe]
+A node that reads a weight only for its input's gradient, with no autograd edge to the
+weight (``x @ W.detach()``, a custom ``autograd.Function`` handed ``W.detach()``), is not
+among the nodes the flat param's gradient waits for: nothing orders it before the
+post-accumulate hook that frees ``full``. It runs first only because the autograd engine
+runs a device's ready nodes in decreasing creation order (sequence number), and the
+parameter views (``FlatParam.use_full_views``: the split whose backward accumulates into
+``full``) are made in ``pre_forward``, before any op of the unit's forward; under
+activation checkpointing the recompute's nodes are newer still. Views made lazily, after
+an op of the unit, would break this: ``tests/unit/test_freeing_order.py`` fails then.
+
 The root's backward starts first and its gradient (the embedding's, which ran first in
 forward) completes last, so the root keeps its full parameters through the whole
 backward, as FSDP2's does. What keeps that small is what keeps it small in torchtitan:
