@@ -16,6 +16,7 @@ import datetime
 import functools
 import os
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -170,14 +171,11 @@ def separate_group(group: ProcessGroup) -> ProcessGroup:
     reduce-scatters: one NCCL communicator runs one collective at a time, whatever the
     streams, so a backward prefetch's all-gather would queue behind the previous unit's
     reduce-scatter. Collective over ``group``'s members only (local synchronization)."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    twin = _SEPARATE.get(ranks)
-    if twin is None:
-        twin = _SEPARATE[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return twin
-
-
-_SEPARATE: dict[tuple[int, ...], ProcessGroup] = {}  # shard ranks -> their reduce-scatter group
+    cache = group_cache(group)
+    if "separate" not in cache:
+        ranks = dist.get_process_group_ranks(group)
+        cache["separate"] = dist.new_group(ranks, use_local_synchronization=True)
+    return cache["separate"]
 
 
 def hybrid_groups(shard_size: int) -> tuple[ProcessGroup, ProcessGroup]:
@@ -205,10 +203,10 @@ def comm_device(group: ProcessGroup, device: torch.device) -> torch.device:
     """Where a collective on ``group`` runs for a tensor on ``device``: that device if the
     group's backend takes it, else the backend's (NCCL takes CUDA tensors only: CPU-offloaded
     shards and CPU state are staged on the current CUDA device)."""
-    key = group_key(group)
-    types = _DEVICE_TYPES.get(key)
+    cache = group_cache(group)
+    types = cache.get("device_types")
     if types is None:
-        types = _DEVICE_TYPES[key] = {d.type for d in getattr(group, "_device_types", [])}
+        types = cache["device_types"] = {d.type for d in getattr(group, "_device_types", [])}
     if not types or device.type in types:
         return device
     if "cuda" in types:
@@ -216,13 +214,23 @@ def comm_device(group: ProcessGroup, device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
-_DEVICE_TYPES: dict[object, set[str]] = {}  # group_key -> device types its backend takes
+def group_cache(group: ProcessGroup) -> dict[str, Any]:
+    """What fsdp_lite keeps per process group (its backend, device types, the separate
+    reduce-scatter group, ...), held for as long as the group object lives: a group made
+    after ``destroy_process_group`` starts empty, even where it reuses a name."""
+    cache = _GROUP_CACHES.get(group)
+    if cache is None:
+        cache = _GROUP_CACHES[group] = {}
+    return cache
 
 
-def group_key(group: ProcessGroup) -> object:
-    """What per-group caches are keyed by: the group's name, unique for the life of the
-    process (an ``id`` is reused once a destroyed group is collected)."""
-    return getattr(group, "group_name", None) or id(group)
+_GROUP_CACHES: weakref.WeakKeyDictionary[ProcessGroup, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def forget_in_group_caches(key: str) -> None:
+    """Drop ``key`` from every live group's cache."""
+    for cache in list(_GROUP_CACHES.values()):
+        cache.pop(key, None)
 
 
 def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -313,14 +321,11 @@ def _on_nccl(group: ProcessGroup, device: torch.device) -> bool:
 
 
 def _backend(group: ProcessGroup) -> str:
-    key = group_key(group)
-    backend = _BACKENDS.get(key)
+    cache = group_cache(group)
+    backend = cache.get("backend")
     if backend is None:
-        backend = _BACKENDS[key] = dist.get_backend(group)
+        backend = cache["backend"] = dist.get_backend(group)
     return backend
-
-
-_BACKENDS: dict[object, str] = {}  # group_key -> dist.get_backend's answer
 
 
 def _gather_by_broadcasts(
@@ -536,7 +541,6 @@ class _Guard:
         self.lockstep = True  # compare every collective across the group before issuing it
         self._answered: set[tuple[int, int]] = set()
         self._my_last_key: str | None = None
-        self._peers: dict[object, bool] = {}  # group_key -> has ranks to check against
         self._busy = False  # the check's own collectives are not checked
         self._polled = time.monotonic()  # the last look for an open check (_poll)
 
@@ -544,10 +548,10 @@ class _Guard:
         return self.mode == "cheap" and self._has_peers(group)
 
     def _has_peers(self, group: ProcessGroup) -> bool:
-        peers = self._peers.get(group_key(group))
+        cache = group_cache(group)
+        peers = cache.get("has_peers")
         if peers is None:
-            peers = world_size(group) > 1 and dist.get_backend(group) != "fake"
-            self._peers[group_key(group)] = peers
+            peers = cache["has_peers"] = world_size(group) > 1 and _backend(group) != "fake"
         return peers
 
     def before(self, op: str, unit: str | None, tensor: torch.Tensor, group: ProcessGroup) -> None:

@@ -20,9 +20,6 @@ from torch import nn
 from fsdp_lite.core import collectives
 from fsdp_lite.core.flat_param import master_dtype
 
-# (group_key, W) -> bytes of master parameters owned by each rank of that group so far.
-_OWNED: dict[tuple[object, int], list[int]] = {}
-
 
 def master_nbytes(p: nn.Parameter) -> int:
     return p.numel() * master_dtype(p.dtype).itemsize
@@ -38,7 +35,8 @@ def plan_owners(
     share one), balanced with everything wrapped on ``group`` before; the same answer on
     every rank of ``group`` (every rank wraps the same modules in the same order)."""
     size = collectives.world_size(group)
-    owned = _OWNED.setdefault((collectives.group_key(group), size), [0] * size)
+    # bytes of master parameters owned by each rank of the group so far
+    owned = collectives.group_cache(group).setdefault("owned", [0] * size)
     unique = list({id(p): p for _, _, p in params}.values())
     ranks = assign([master_nbytes(p) for p in unique], owned)
     rank_of = {id(p): r for p, r in zip(unique, ranks, strict=True)}
@@ -61,4 +59,4 @@ def forget_owned() -> None:
     """Forget every whole-params unit wrapped so far: the next model is balanced as if it
     were the first (for tests and benchmarks that wrap several models in one process;
     call it on every rank at the same point)."""
-    _OWNED.clear()
+    collectives.forget_in_group_caches("owned")

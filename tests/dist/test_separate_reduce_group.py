@@ -72,3 +72,36 @@ def _cases(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 def test_separate_reduce_scatter_group_matches_reference(world: int) -> None:
     assert_subtests_passed(run_distributed(_cases, world, timeout=300.0))
+
+
+def _lifetime(world: int) -> list:
+    whole = functools.partial(_separate, whole_params=True)
+    return [
+        gpt_run("separate RS group", world, wrap=_separate),
+        gpt_run("separate RS group, whole params", world, wrap=whole),
+    ]
+
+
+def _three_group_lifetimes(rank: int, world: int, scratch: str) -> dict:
+    """A notebook's or a sweep's process: new process groups after the first was
+    destroyed, over the same ranks and then at another world size, each reusing the
+    first's name. Nothing fsdp_lite kept for an earlier group (its separate reduce-scatter
+    group, backend, ownership plans) may reach a later one."""
+    results: dict = {}
+    name = dist.group.WORLD.group_name
+    for lifetime, size in (("first", world), ("second", world), ("third", 1)):
+        if lifetime != "first":
+            dist.destroy_process_group()
+            store = f"file://{scratch}/{lifetime}" + (str(rank) if size == 1 else "")
+            dist.init_process_group(
+                "gloo", init_method=store, rank=rank if size > 1 else 0, world_size=size
+            )
+            assert dist.group.WORLD.group_name == name  # what fooled caches keyed by name
+        cases = [(f"{lifetime} group: {r.name}", functools.partial(compare_training, r))
+                 for r in _lifetime(size)]  # fmt: skip
+        results.update(run_subtests(cases))
+    return results
+
+
+def test_process_groups_after_the_first_was_destroyed(tmp_path) -> None:
+    assert_subtests_passed(run_distributed(_three_group_lifetimes, 2, str(tmp_path)))
