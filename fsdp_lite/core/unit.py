@@ -155,15 +155,7 @@ class Unit:
                 self._check_requires_grad()
             self.state = TrainingState.FORWARD
             if self.is_root:
-                # Compared with the last iteration of the same kind (the divergence check).
-                kind = (
-                    "no grad"
-                    if not torch.is_grad_enabled()
-                    else ("train" if self.sync_grads else "no_sync")
-                )
-                collectives.GUARD.start_iteration(
-                    f"{self.name} ({kind})", self.process_group, self.device
-                )
+                collectives.start_iteration(self.name, self.process_group, self.device)
                 self.ctx.forward_order.start()
             with accounting.region("fsdp_lite::unshard"):
                 self.unshard_with_prefetch(backward=False)

@@ -47,13 +47,20 @@ def _worker(fn, rank: int, world_size: int, init_file: str, results, args, timeo
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    pg_timeout: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on spawned ranks; return each rank's result.
 
     ``fn`` must be importable (a module-level function). Any rank's exception is raised
     here with its rank and traceback; ranks still running ``timeout`` seconds after the
-    start (or 10 s after another rank failed) are killed and reported as hung.
+    start (or 10 s after another rank failed) are killed and reported as hung. The process
+    group's own timeout (a collective's, before the backend fails it) is ``pg_timeout``,
+    by default ``timeout``: a test of what a rank does when its collective times out sets
+    it well under ``timeout``, so that the harness never kills first.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -62,7 +69,7 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, init_file, results, args, timeout),
+                args=(fn, rank, world_size, init_file, results, args, pg_timeout or timeout),
                 daemon=True,
             )
             for rank in range(world_size)

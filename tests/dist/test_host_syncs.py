@@ -4,7 +4,15 @@ per block), counted in every workflow users run, after three warm-up steps:
 - forward, backward, ``clip_grad_norm_``;
 - gradient accumulation: two ``no_sync`` micro-batches, then a synchronized one;
 - a ``no_grad`` evaluation forward after each step;
+- two forwards, then one backward of the summed loss (DPO, contrastive, siamese);
+- backward, then a validation forward with grad enabled, then clip and step;
+- two micro-batches without ``no_sync``, then clip and step;
+- greedy decoding: ``no_grad`` forwards of a growing sequence (``generate()``'s loop);
+- two wrapped models (whole params) trained in alternation in one process;
 - each of the above with ``fsdp_lite.stats()`` read every step.
+
+Operations on the process group's store (the divergence check's rendezvous) are counted
+beside them: none may happen either.
 
 A host sync is an op that reads a device value on the host (``_local_scalar_dense``:
 ``.item()``, ``bool()`` of a tensor; ``is_nonzero``; ``equal``; ``tolist`` goes through
@@ -26,6 +34,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_lite
+from fsdp_lite.core import collectives
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
 from tests.dist.cases import gpt, gpt_loss, token_batch, wrap_blocks
@@ -76,11 +85,31 @@ def counting_cuda_waits(seen: Counter) -> Iterator[None]:
             setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def counting_store_ops(seen: Counter) -> Iterator[None]:
+    """Every call on the store fsdp_lite reaches (``collectives._store``), counted."""
+    original = collectives._store
+
+    class Counted:
+        def __init__(self, store) -> None:
+            self._store = store
+
+        def __getattr__(self, name: str):
+            seen[f"store {name}"] += 1
+            return getattr(self._store, name)
+
+    collectives._store = lambda: Counted(original())
+    try:
+        yield
+    finally:
+        collectives._store = original
+
+
 def _syncs_per_step(step: Callable[[int, HostSyncs], None], read_stats: bool) -> Counter:
     seen: Counter[str] = Counter()
     for i in range(WARMUP + COUNTED):
         mode = HostSyncs()
-        with counting_cuda_waits(mode.seen):
+        with counting_cuda_waits(mode.seen), counting_store_ops(mode.seen):
             step(i, mode)
             if read_stats:
                 with mode:
@@ -128,12 +157,70 @@ def _eval_after_step(model, opt, batches, i: int, mode: HostSyncs) -> None:
         gpt_loss(model, batches[5])
 
 
+def _two_forwards(model, opt, batches, i: int, mode: HostSyncs) -> None:
+    with mode:
+        loss = gpt_loss(model, batches[i % 6]) + gpt_loss(model, batches[(i + 1) % 6])
+        loss.backward()
+        model.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+def _validation_with_grad(model, opt, batches, i: int, mode: HostSyncs) -> None:
+    with mode:
+        gpt_loss(model, batches[i % 6]).backward()
+        gpt_loss(model, batches[5]).detach()  # a validation loss, grad enabled, no backward
+        model.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+def _accumulate_without_no_sync(model, opt, batches, i: int, mode: HostSyncs) -> None:
+    with mode:
+        for m in range(2):
+            (gpt_loss(model, batches[(2 * i + m) % 6]) / 2).backward()
+        model.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+def _greedy_decode(model, opt, batches, i: int, mode: HostSyncs) -> None:
+    _train_clip(model, opt, batches, i, mode)
+    tokens = batches[i % 6][0][:, :4]
+    with mode, torch.no_grad():
+        for _ in range(4):
+            logits = model(tokens)[0]
+            tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+
+
 def _case(workflow: Callable, read_stats: bool) -> Callable[[], None]:
     """One workflow's steps on a fresh model; no host sync once warmed up."""
 
     def case() -> None:
         model, opt, batches = _setup()
         step = functools.partial(workflow, model, opt, batches)
+        _expect_none(_syncs_per_step(step, read_stats))
+
+    return case
+
+
+def _two_models_case(read_stats: bool) -> Callable[[], None]:
+    """Two wrapped models with whole params in one process, stepped in alternation."""
+
+    def case() -> None:
+        pairs = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            mp = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16)
+            model = wrap_blocks(gpt(n_layer=3), mixed_precision=mp, whole_params=True)
+            pairs.append((model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        batches = [tuple(t.chunk(world)[rank] for t in token_batch(world, i)) for i in range(6)]
+
+        def step(i: int, mode: HostSyncs) -> None:
+            for model, opt in pairs:
+                _train_clip(model, opt, batches, i, mode)
+
         _expect_none(_syncs_per_step(step, read_stats))
 
     return case
@@ -159,6 +246,17 @@ def _cases(rank: int, world: int) -> dict:
                 f"a no_grad eval forward after each step{extra}",
                 _case(_eval_after_step, read_stats),
             ),
+            (f"two forwards, one backward{extra}", _case(_two_forwards, read_stats)),
+            (
+                f"a validation forward with grad before the step{extra}",
+                _case(_validation_with_grad, read_stats),
+            ),
+            (
+                f"2 micro-batches without no_sync{extra}",
+                _case(_accumulate_without_no_sync, read_stats),
+            ),
+            (f"greedy decoding after each step{extra}", _case(_greedy_decode, read_stats)),
+            (f"two models in alternation{extra}", _two_models_case(read_stats)),
         ]
     return run_subtests(cases)
 

@@ -235,40 +235,42 @@ def _diverge_under_nccl_semantics(
     raise AssertionError(f"rank {rank}: no error after rank 1 skipped a unit")
 
 
+PG_TIMEOUT_S = 12.0  # the process group's; the harness kills only after HARNESS_S
+HARNESS_S = 90.0
+
+
 @pytest.mark.parametrize("waits", ["non-blocking", "blocked on the host"])
 def test_divergence_error_when_waits_do_not_answer(waits: str) -> None:
-    """Non-blocking: the on-track rank runs ahead and answers the check from its next
-    collective, so both ranks raise DivergenceError within seconds. Blocked: the rank that
-    strayed raises DivergenceError naming the silent rank after half the group's timeout,
-    before the blocked rank's own collective times out (NCCL's watchdog would abort it)."""
-    timeout = 12.0
+    """The rank that strayed raises DivergenceError naming the silent rank after half the
+    group's timeout: its peer, whose waits never looked at the store (non-blocking, as
+    NCCL's) or never returned (blocked on the host), did not answer. The peer's own
+    collective then fails (the straying rank is gone, or the group's timeout ran out, as
+    NCCL's watchdog would abort it), and its error reports what the straying rank posted:
+    DivergenceError on both, naming units and ranks."""
     with tempfile.TemporaryDirectory() as tmp:
-        run_distributed(_diverge_under_nccl_semantics, 2, waits, tmp, timeout=timeout)
+        run_distributed(_diverge_under_nccl_semantics, 2, waits, tmp, timeout=HARNESS_S,
+                        pg_timeout=PG_TIMEOUT_S)  # fmt: skip
         reports = [Path(tmp, f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
     (kind0, s0), (kind1, s1) = (head.split() for head, _ in reports)
     msg0, msg1 = reports[0][1], reports[1][1]
     assert kind1 == "DivergenceError" and "unit 'blocks." in msg1, msg1
-    if waits == "non-blocking":
-        assert kind0 == "DivergenceError", msg0
-        for msg in (msg0, msg1):  # the first collective that differs (after prefetches)
-            assert "rank 0: all_gather of unit 'blocks." in msg, msg
-            assert "rank 1: all_gather of unit 'out'" in msg, msg
-        assert float(s0) < BOUND_S and float(s1) < BOUND_S, (s0, s1)
-    else:
-        assert "ranks [0] did not reach that point within 6 s" in msg1, msg1
-        assert kind0 == "PeerError", msg0
-        assert float(s1) < float(s0) < timeout + 3, (s1, s0)
+    assert "ranks [0] did not reach that point within 6 s" in msg1, msg1
+    assert kind0 == "DivergenceError", msg0
+    assert "rank 0: " in msg0 and "rank 1: " in msg0 and "unit 'blocks." in msg0, msg0
+    assert float(s1) <= float(s0), (s1, s0)  # the peer's error comes from the straying one's
 
 
 def test_same_sized_units_swapped_raise_under_nccl_semantics() -> None:
     """Two blocks of the same size run in the other order on one rank: gathers of different
-    units would pair and mix shards silently; both ranks raise DivergenceError naming the
-    units at the first collective that differs (prefetching follows the recorded order, so
-    that can come after the swapped blocks' own gathers, which then paired alike)."""
+    units would pair and mix shards silently. The rank that strayed raises DivergenceError
+    naming the silent peer; the peer's collective then fails and its DivergenceError names
+    both ranks' entries at the first collective that differs (prefetching follows the
+    recorded order, so that can come after the swapped blocks' own gathers)."""
     with tempfile.TemporaryDirectory() as tmp:
-        run_distributed(_diverge_under_nccl_semantics, 2, "non-blocking", tmp, True, timeout=12)
+        run_distributed(_diverge_under_nccl_semantics, 2, "non-blocking", tmp, True,
+                        timeout=HARNESS_S, pg_timeout=PG_TIMEOUT_S)  # fmt: skip
         reports = [Path(tmp, f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
     for head, msg in reports:
-        assert head.startswith("DivergenceError"), msg
-        assert "rank 0: all_gather of unit 'blocks." in msg and "rank 1: " in msg, msg
-        assert float(head.split()[1]) < BOUND_S, head
+        assert head.startswith("DivergenceError") and "unit 'blocks." in msg, msg
+    assert "rank 0: " in reports[0][1] and "rank 1: " in reports[0][1], reports[0][1]
+    assert "ranks [0] did not reach that point" in reports[1][1], reports[1][1]
