@@ -13,10 +13,10 @@ counter, so the in-place gather does not trip autograd's saved-tensor version ch
 While a unit's full buffer is allocated, each original parameter location holds a view of
 it. Whenever the buffer is freed (and before the first gather) each location holds a
 :class:`FreedParameter` instead: shape, dtype and device answer, and any computation
-raises an error naming ``summon_full_params``, never reads freed storage. A kept full
-buffer (the root's, ``reshard_after_forward=False``) remembers which shard values it was
-gathered from -- the shard's version counter and the count of optimizer steps taken
-(fused optimizers do not bump version counters) -- and is gathered again when either moved.
+raises an error naming ``summon_full_params``, never reads freed storage. A full buffer
+kept from a forward (the root's, ``reshard_after_forward=False``) lives until that forward's
+backward ends or the next root forward begins (``runtime.free_kept``): it is never gathered
+"again if stale", so nothing needs to tell whether the shard changed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fsdp_lite.core import accounting, collectives
 from fsdp_lite.core.home import DeviceHome
@@ -95,18 +94,6 @@ def _between_steps_message(name: str, unit: str) -> str:
         "backward). Read or change full parameters inside `with model.summon_full_params():` "
         "or through model.state_dict() / load_state_dict(); set requires_grad before wrapping."
     )
-
-
-# Optimizer steps taken in this process: a kept full buffer gathered before the latest one
-# may be stale (see Note). Counted by a global step post-hook, installed with the first
-# FlatParam.
-_optimizer_steps = 0
-_step_hook: Any = None
-
-
-def _count_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
 
 
 @dataclass
@@ -179,8 +166,6 @@ class FlatParam:
         # Accounting: the owning unit's name (set at lazy init) and identity.
         self.unit_name: str | None = None
         self.unit_key = 0
-        # (shard version, optimizer steps) when full_data was last gathered (see Note).
-        self._gathered_from: tuple[int, int] = (-1, -1)
         # One FreedParameter per slot, at its locations whenever full_data is freed.
         self.placeholders: list[FreedParameter] | None = None
         # This iteration's views of ``full``, one per slot (use_full_views), for backward.
@@ -191,9 +176,6 @@ class FlatParam:
         self._linked_grad: weakref.ref | None = None
         self._linked_views: list[weakref.ref] | None = None
         self.warned_thawed = False  # an orig param of a frozen flat param set trainable
-        global _step_hook
-        if _step_hook is None:
-            _step_hook = register_optimizer_step_post_hook(_count_step)
 
     def _lay_out(self, owners: list[int] | None) -> None:
         """Rank r keeps elements ``[bounds[r], bounds[r + 1])`` of the padded flat param: a
@@ -238,17 +220,12 @@ class FlatParam:
         With ``async_op`` the gather is only issued (a prefetch); :meth:`wait_unshard`
         completes it. A no-op when the full buffer is already allocated or in flight.
         """
-        shard_state = (self.shard._version, _optimizer_steps)
         if self.is_unsharded:
-            if self._gather is not None or self._gathered_from == shard_state:
-                if not async_op:
-                    self.wait_unshard()
-                return
-            # Kept from a forward, and the shard changed since: gather again in place.
-        else:
-            self._allocate_full()
-            accounting.full_allocated(id(self), self.unit_key, self.full_nbytes)
-        self._gathered_from = shard_state
+            if not async_op:
+                self.wait_unshard()
+            return
+        self._allocate_full()
+        accounting.full_allocated(id(self), self.unit_key, self.full_nbytes)
         with torch.no_grad():
             send = self.home.shard_for_gather(self).to(self.compute_dtype)
             self._gather = collectives.all_gather_flat(

@@ -121,6 +121,18 @@ def recover_if_interrupted(ctx: RootContext) -> None:
         reset(ctx)
 
 
+def free_kept(ctx: RootContext) -> None:
+    """At the root's forward: free full parameters kept from the last forward (the root's,
+    ``reshard_after_forward=False``) whose backward never came -- a validation forward with
+    grad enabled. Kept full parameters live until their forward's backward ends or the next
+    root forward begins, so none is ever used after the optimizer (or a load, an EMA, a
+    ``p.data`` write) changed the shards it was gathered from. A backward of that earlier
+    forward still to come gathers them again, into the same storage its graph saved."""
+    for unit in ctx.units:
+        if unit.state is TrainingState.IDLE:
+            unit.reshard()
+
+
 def end_of_root_forward(ctx: RootContext) -> None:
     """Freeze the forward order after the first pass; free gathers nobody used; let every
     home settle its forward's copies (a forward need not be followed by a backward: the

@@ -149,6 +149,7 @@ class Unit:
             if self.is_root:
                 runtime.recover_if_interrupted(self.ctx)
                 runtime.check_no_unreduced_grads(self.ctx)
+                runtime.free_kept(self.ctx)
                 self._check_enclosing_modules()
             check_state(self.name, self.state, TrainingState.IDLE, doing="run forward")
             if torch.is_grad_enabled():

@@ -4,8 +4,10 @@ a small GPT with a unit per block, each case by name):
 
 - reading a wrapped block's weight after a step raises an error naming
   ``summon_full_params`` (it used to be a view of freed storage: SIGSEGV);
-- a validation forward with grad enabled between ``backward`` and ``opt.step()``: the
-  root's kept full parameters are gathered again after the step (they used to be stale);
+- a validation forward with grad enabled between ``backward`` and ``opt.step()`` (or a
+  step written by hand through ``p.data.add_``, which no version counter or optimizer
+  hook sees): the root's kept full parameters are freed at the next forward, gathered
+  again (they used to be stale);
 - a unit that got a gradient in a ``no_sync`` micro-step but none in the synchronizing
   one: its gradient reaches this step (it used to reach a later one);
 - ``requires_grad_(False)`` on a shard after wrapping: refused at the next forward (it
@@ -101,7 +103,18 @@ def _read_weight_between_steps() -> None:
 # -- a validation forward with grad enabled before the step ----------------------------
 
 
-def _validation_forward_before_step(precision: str, raf: bool | None) -> Callable[[], None]:
+def _sgd_through_data(model: nn.Module, lr: float = 1e-2) -> None:
+    """A hand-written step: ``p.data.add_`` bumps no version counter and fires no optimizer
+    hook, so nothing but the kept parameters' lifetime can keep them from going stale."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.data.add_(p.grad, alpha=-lr)
+            p.grad = None
+
+
+def _validation_forward_before_step(
+    precision: str, raf: bool | None, by_hand: bool = False
+) -> Callable[[], None]:
     def case() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         mp, tol = PRECISIONS[precision]
@@ -116,9 +129,14 @@ def _validation_forward_before_step(precision: str, raf: bool | None) -> Callabl
             got = gpt_loss(model, _local(batch, rank, world))
             got.backward()
             _close(f"step {step} loss", _mean(got), want.item(), tol.loss_rtol)
-            gpt_loss(ref, val), gpt_loss(model, _local(val, rank, world))  # grad enabled
-            ref_opt.step(), opt.step()
-            ref_opt.zero_grad(), opt.zero_grad()
+            want = gpt_loss(ref, val)  # grad enabled, no backward
+            got = gpt_loss(model, _local(val, rank, world))
+            _close(f"step {step} validation loss", _mean(got), want.item(), tol.loss_rtol)
+            if by_hand:
+                _sgd_through_data(ref), _sgd_through_data(model)
+            else:
+                ref_opt.step(), opt.step()
+                ref_opt.zero_grad(), opt.zero_grad()
         with torch.no_grad():
             want = gpt_loss(ref, val).item()
             got = _mean(gpt_loss(model, _local(val, rank, world)))
@@ -273,6 +291,10 @@ def _cases(rank: int, world: int) -> dict:
                 f"validation forward with grad before the step ({precision}, raf={raf})",
                 _validation_forward_before_step(precision, raf),
             ))  # fmt: skip
+    cases.append((
+        "validation forward with grad, then a step through p.data.add_",
+        _validation_forward_before_step("fp32", None, by_hand=True),
+    ))  # fmt: skip
     cases += [
         ("a unit used only in a no_sync micro-step", _unit_used_only_in_no_sync),
         ("requires_grad changed after wrapping: refused", _freeze_after_wrapping),
