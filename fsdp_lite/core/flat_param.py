@@ -47,6 +47,23 @@ def shard_ranks(p: torch.Tensor) -> tuple[int, int] | None:
     return p.__dict__.get(_SHARD_ATTR)
 
 
+def unaveraged(params: list[nn.Parameter], modules: Iterator[nn.Module]) -> list[int]:
+    """Indices of the trainable ``params`` whose gradients nothing averages across ranks:
+    not an fsdp_lite shard, nor a parameter of a ``DistributedDataParallel`` module among
+    ``modules`` (which averages its own). The one rule of the forward and optimizer checks."""
+    ddp = {
+        id(p)
+        for m in modules
+        if isinstance(m, nn.parallel.DistributedDataParallel)
+        for p in m.parameters()
+    }
+    return [
+        i
+        for i, p in enumerate(params)
+        if p.requires_grad and shard_ranks(p) is None and id(p) not in ddp
+    ]
+
+
 _DEVICE_FLAGS = {
     torch._C.TensorBase.is_meta: "meta",
     torch._C.TensorBase.is_cuda: "cuda",

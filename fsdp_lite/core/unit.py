@@ -67,7 +67,7 @@ from torch import nn
 
 from fsdp_lite.core import accounting, collectives, runtime, schedule
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.core.flat_param import FlatParam, shard_ranks
+from fsdp_lite.core.flat_param import FlatParam, unaveraged
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.state import TrainingState, check_state
 from fsdp_lite.core.tree import (
@@ -452,19 +452,9 @@ def _frees_frozen_early(unit: Unit, units: list[Unit]) -> bool:
 
 
 def _unsharded_trainable(root: nn.Module) -> list[str]:
-    """Names of ``root``'s parameters that need a gradient and belong to no unit (nor to a
-    ``DistributedDataParallel`` module, which averages its own)."""
-    ddp = {
-        id(p)
-        for m in root.modules()
-        if isinstance(m, nn.parallel.DistributedDataParallel)
-        for p in m.parameters()
-    }
-    return [
-        name
-        for name, p in root.named_parameters()
-        if p.requires_grad and shard_ranks(p) is None and id(p) not in ddp
-    ]
+    """Names of ``root``'s trainable parameters that nothing averages across ranks."""
+    named = list(root.named_parameters())
+    return [named[i][0] for i in unaveraged([p for _, p in named], root.modules())]
 
 
 def tensors_in(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:

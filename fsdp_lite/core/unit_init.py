@@ -17,6 +17,7 @@ from fsdp_lite.core.flat_param import (
     cut_from,
     master_dtype,
     shard_ranks,
+    unaveraged,
 )
 from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of
 from fsdp_lite.core.wrap import unowned_parameters
@@ -302,6 +303,14 @@ _CHECKED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 _hook_installed = False
 
 
+def _live_ddp_modules() -> list[nn.Module]:
+    """Every ``DistributedDataParallel`` module alive in this process (a scan of the
+    garbage collector's objects: on an error path only)."""
+    import gc
+
+    return [o for o in gc.get_objects() if isinstance(o, nn.parallel.DistributedDataParallel)]
+
+
 def _forget_original(p: nn.Parameter, name: str) -> None:
     global _hook_installed
     if not _hook_installed:
@@ -342,8 +351,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: obj
         )
     marks = [m for p in params if (m := shard_ranks(p)) is not None]
     ranks = max((world * replicas for world, replicas in marks), default=1)
-    loose = [p for p in params if p.requires_grad and shard_ranks(p) is None]
-    if ranks > 1 and loose:
+    loose = [params[i] for i in unaveraged(params, [])] if ranks > 1 else []
+    if loose:  # the error path only: DDP modules may average them
+        loose = [loose[i] for i in unaveraged(loose, _live_ddp_modules())]
+    if loose:
         shapes = ", ".join(str(tuple(p.shape)) for p in loose[:4])
         raise RuntimeError(
             f"this {type(optimizer).__name__} holds {len(loose)} trainable parameter(s) of no "

@@ -5,6 +5,8 @@ hybrid replicas initialized differently, and a local error inside a collective c
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -79,6 +81,29 @@ def _legitimate_roots() -> None:
     torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1).step()
 
 
+def _ddp_head_beside_a_wrapped_trunk() -> None:
+    """One optimizer over an fsdp_lite trunk and a DistributedDataParallel head: DDP
+    averages the head's gradients, so neither the forward nor the optimizer's check
+    refuses it, and training equals one process's on the global batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref_trunk, ref_head = nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Linear(16, 1)
+    trunk = fsdp_lite.FSDPModule(copy.deepcopy(ref_trunk))
+    head = nn.parallel.DistributedDataParallel(copy.deepcopy(ref_head))
+    opt = torch.optim.SGD([*trunk.parameters(), *head.parameters()], lr=0.1)
+    ref_opt = torch.optim.SGD([*ref_trunk.parameters(), *ref_head.parameters()], lr=0.1)
+    for step in range(3):
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step))
+        head(trunk(x.chunk(world)[rank])).square().mean().backward()
+        ref_head(ref_trunk(x)).square().mean().backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    got = {**trunk.state_dict(), **{f"head.{k}": v for k, v in head.module.state_dict().items()}}
+    want = {**ref_trunk.state_dict(), **{f"head.{k}": v for k, v in ref_head.state_dict().items()}}
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, msg=name)
+
+
 def _hybrid_replicas_differ() -> None:
     """Refused at the first forward, before any step; a load after wrapping (the way to
     resume) makes them agree and is allowed."""
@@ -119,6 +144,7 @@ def _cases(rank: int, world: int) -> dict:
             ("only the blocks wrapped: refused at the first forward", _only_blocks_wrapped),
             ("blocks called from a loop: refused at the first step", _blocks_called_from_a_loop),
             ("several whole-model roots, frozen outer params: allowed", _legitimate_roots),
+            ("a DDP head beside a wrapped trunk, one optimizer", _ddp_head_beside_a_wrapped_trunk),
             (
                 "hybrid replicas initialized differently: refused at forward",
                 _hybrid_replicas_differ,
