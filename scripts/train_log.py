@@ -139,15 +139,10 @@ def theoretical_comm(
     if shard_world > 1:
         if f.reshard_after_forward is False:  # backward reuses every forward gather
             gathers, what = n_params, "1 gather"
-        elif f.reshard_after_forward is None:
-            # The root stays gathered for backward; with backward prefetching so does the
-            # unit backward runs first after it (the last block).
-            units = [m for m in model.modules() if isinstance(m, fsdp_lite.FSDPModule)]
-            kept = [units[0]] + (units[-1:] if f.prefetch and len(units) > 1 else [])
-            once = sum(p.numel() for u in kept for p in u.parameters(recurse=False))
-            gathers = 2 * n_params - once * shard_world
-            also = " and the last block's" if f.prefetch else ""
-            what = f"2 gathers (the root's{also} once)"
+        elif f.reshard_after_forward is None:  # the root stays gathered for backward
+            root = model.parameters(recurse=False)
+            gathers = 2 * n_params - sum(p.numel() for p in root) * shard_world
+            what = "2 gathers (the root's once)"
         else:
             gathers, what = 2 * n_params, "2 gathers"
         total += accum * gathers * DTYPES[f.mixed_precision].itemsize + n_params * 4
