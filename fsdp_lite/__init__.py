@@ -74,7 +74,7 @@ __version__ = "0.1.0"
 # Names that left the top level, still answered (with a DeprecationWarning) from their home.
 _MOVED = {
     "make_viewless_tensor": "fsdp_lite.addons.activation_checkpointing",
-    "set_divergence_check": "fsdp_lite.core.collectives",
+    "set_divergence_check": "fsdp_lite.core.divergence",
     "TrainingState": "fsdp_lite.core.state",
     "Plan": "fsdp_lite.addons.planner.estimate",
     "MemoryEstimate": "fsdp_lite.addons.planner.estimate",

@@ -111,7 +111,7 @@ def _wrap(system: str, precision: str, cfg: BenchConfig, device: torch.device) -
     bf16 = precision == "bf16"
     world = dist.get_world_size()
     if system.startswith("fsdp_lite"):
-        fsdp_lite.core.collectives.set_divergence_check(
+        fsdp_lite.core.divergence.set_divergence_check(
             "off" if system.endswith("nocheck") else "cheap"
         )
         mp = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite.core import accounting, collectives, runtime, schedule
+from fsdp_lite.core import accounting, collectives, divergence, runtime, schedule
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.flat_param import FlatParam, unaveraged
 from fsdp_lite.core.home import DeviceHome
@@ -156,7 +156,7 @@ class Unit:
                 self._check_requires_grad()
             self.state = TrainingState.FORWARD
             if self.is_root:
-                collectives.start_iteration(self.name, self.process_group, self.device)
+                divergence.start_iteration(self.name, self.process_group, self.device)
                 self.ctx.forward_order.start()
             with accounting.region("fsdp_lite::unshard"):
                 self.unshard_with_prefetch(backward=False)

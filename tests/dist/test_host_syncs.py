@@ -87,8 +87,8 @@ def counting_cuda_waits(seen: Counter) -> Iterator[None]:
 
 @contextlib.contextmanager
 def counting_store_ops(seen: Counter) -> Iterator[None]:
-    """Every call on the store fsdp_lite reaches (``collectives._store``), counted."""
-    original = collectives._store
+    """Every call on the store fsdp_lite reaches (``collectives.store``), counted."""
+    original = collectives.store
 
     class Counted:
         def __init__(self, store) -> None:
@@ -98,11 +98,11 @@ def counting_store_ops(seen: Counter) -> Iterator[None]:
             seen[f"store {name}"] += 1
             return getattr(self._store, name)
 
-    collectives._store = lambda: Counted(original())
+    collectives.store = lambda: Counted(original())
     try:
         yield
     finally:
-        collectives._store = original
+        collectives.store = original
 
 
 def _syncs_per_step(step: Callable[[int, HostSyncs], None], read_stats: bool) -> Counter:

@@ -145,7 +145,7 @@ def _divergence_modes(rank: int, world: int) -> None:
     model.module.skip = None
     _steps(model, 1)
     # thorough: every collective compared before it is issued, also in the steady state.
-    fsdp_lite.core.collectives.set_divergence_check("thorough")
+    fsdp_lite.core.divergence.set_divergence_check("thorough")
     if rank == 1:
         model.module.skip = 3
     _expect(
@@ -153,7 +153,7 @@ def _divergence_modes(rank: int, world: int) -> None:
         ["about to issue different collectives", "rank 1: "],
         lambda: _steps(model, 1),
     )
-    fsdp_lite.core.collectives.set_divergence_check("cheap")
+    fsdp_lite.core.divergence.set_divergence_check("cheap")
 
 
 def test_divergence_check_modes_and_agreed_paths() -> None:
