@@ -1,0 +1,117 @@
+"""Two independent wrapped models in one process (W=2, gloo), each against the same two
+models unwrapped on one process over the global batch, losses step by step and parameters
+at the end:
+
+- distillation: a frozen teacher's logits (``no_grad``) in a student's loss, both wrapped,
+  on the same process group;
+- RL fine-tuning: a policy and a reference model both trained, in alternation, the
+  reference on a process group of its own and with whole-parameter shards; wrapping it
+  leaves the policy's shard layout as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fsdp_lite.core.tree import units_of
+from fsdp_lite.testing import run_distributed
+from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
+from tests.dist.cases import gpt, gpt_loss, token_batch, wrap_blocks
+
+STEPS = 3
+
+
+def _local(batch: tuple, rank: int, world: int) -> tuple:
+    return tuple(t.chunk(world)[rank] for t in batch)
+
+
+def _mean(x: torch.Tensor) -> float:
+    x = x.detach().float().clone()
+    dist.all_reduce(x)
+    return x.item() / dist.get_world_size()
+
+
+def _close(what: str, got: float, want: float, rtol: float = 1e-5) -> None:
+    if abs(got - want) > rtol * max(abs(want), 1e-8):
+        raise AssertionError(f"{what}: fsdp {got:.8g} vs reference {want:.8g}")
+
+
+def _same_params(model, ref, what: str) -> None:
+    got = model.state_dict()
+    for name, p in ref.state_dict().items():
+        torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-5, msg=f"{what} {name}")
+
+
+def _distill_loss(student, teacher, batch) -> torch.Tensor:
+    x, y = batch
+    with torch.no_grad():
+        target = F.softmax(teacher(x)[0], dim=-1)
+    logits = student(x)[0]
+    kl = F.kl_div(F.log_softmax(logits, dim=-1), target, reduction="batchmean")
+    return gpt_loss(student, batch) + kl
+
+
+def _distillation() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref_teacher, ref_student = gpt(n_layer=3), gpt()
+    teacher = wrap_blocks(copy.deepcopy(ref_teacher))
+    student = wrap_blocks(copy.deepcopy(ref_student))
+    for m in (ref_teacher, teacher):
+        m.requires_grad_(False)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref_student.parameters(), lr=1e-3)
+    for step in range(STEPS):
+        batch = token_batch(world, step)
+        want = _distill_loss(ref_student, ref_teacher, batch)
+        got = _distill_loss(student, teacher, _local(batch, rank, world))
+        want.backward(), got.backward()
+        _close(f"step {step} loss", _mean(got), want.item())
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    _same_params(student, ref_student, "student")
+    _same_params(teacher, ref_teacher, "teacher")
+
+
+def _policy_and_reference() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    refs = [gpt(), gpt(n_layer=3)]
+    policy = wrap_blocks(copy.deepcopy(refs[0]), whole_params=True)
+    bounds = [f.bounds for u in units_of(policy) for f in u.flat_params]
+    other_group = dist.new_group(list(range(world)))
+    reference = wrap_blocks(copy.deepcopy(refs[1]), whole_params=True, process_group=other_group)
+    assert [f.bounds for u in units_of(policy) for f in u.flat_params] == bounds
+    models = [policy, reference]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    ref_opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in refs]
+    for step in range(STEPS):
+        batch = token_batch(world, step)
+        for i, (model, opt, ref, ref_opt) in enumerate(
+            zip(models, opts, refs, ref_opts, strict=True)
+        ):
+            want = gpt_loss(ref, batch)
+            got = gpt_loss(model, _local(batch, rank, world))
+            want.backward(), got.backward()
+            _close(f"step {step} model {i} loss", _mean(got), want.item())
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+    _same_params(policy, refs[0], "policy")
+    _same_params(reference, refs[1], "reference")
+
+
+def _cases(rank: int, world: int) -> dict:
+    return run_subtests(
+        [
+            ("distillation: a frozen teacher and a student, one group", _distillation),
+            ("a policy and a reference model, two groups, whole params", _policy_and_reference),
+        ]
+    )
+
+
+def test_two_wrapped_models_train_equal_to_their_references() -> None:
+    assert_subtests_passed(run_distributed(_cases, 2, timeout=180))
