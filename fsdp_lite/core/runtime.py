@@ -167,24 +167,6 @@ def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(cast, tree)
 
 
-def reduce_leftovers(ctx: RootContext) -> None:
-    """Gradients no post-backward of this backward took: one a unit's parameters got
-    outside its backward (``Unit.post_backward`` in IDLE), and one kept under ``no_sync``
-    by a unit this synchronizing backward did not reach. Reduced now, in unit order (the
-    same on every rank), so they reach this step; kept unreduced under ``no_sync``."""
-    for unit in ctx.units:
-        for flat in unit.flat_params:
-            if not flat.has_leftover_grad(unit.sync_grads):
-                continue
-            if not unit.sync_grads:
-                flat.accumulate_unsharded()
-                continue
-            wait_previous_reduce_scatter(ctx)
-            pending = flat.reduce_scatter_grad(unit.reduce_dtype(flat))
-            if pending is not None:
-                ctx.pending.append(pending)
-
-
 def check_no_unreduced_grads(ctx: RootContext) -> None:
     """At the root's forward: a gradient kept by ``Unit.post_backward`` in IDLE that no
     backward reduced would silently miss the step it belongs to."""
@@ -221,7 +203,9 @@ def finish_backward(ctx: RootContext) -> None:
     Also covers units whose parameters got no gradient this iteration.
     """
     with accounting.region("fsdp_lite::finish_backward"):
-        reduce_leftovers(ctx)
+        for unit in ctx.units:  # gradients no post-backward hook of this backward took
+            for flat in unit.flat_params:
+                unit.post_backward(flat, at_end=True)
         for pending in ctx.pending:
             pending.finish()
         ctx.pending.clear()

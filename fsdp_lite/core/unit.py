@@ -335,27 +335,35 @@ class Unit:
             for flat in self.flat_params:
                 flat.use_views_again()
 
-    def post_backward(self, flat: FlatParam) -> None:
-        """After ``flat``'s gradient is complete: reduce-scatter it (or keep it under no_sync).
+    def post_backward(self, flat: FlatParam, at_end: bool = False) -> None:
+        """Reduce-scatter the gradient ``flat`` holds (or keep it under no_sync): the one
+        reduce path. Idempotent: a gradient already taken leaves nothing to do.
 
-        In IDLE, the gradient reached the parameters in a backward that did not pass through
-        this unit's outputs (a chunked loss through the root's head, called outside the
-        root's forward): it stays in the full buffer's ``.grad`` and is reduced with the
-        next backward that does (``runtime.reduce_leftovers``), as FSDP2 does."""
-        if self.state is TrainingState.IDLE:
-            return
-        check_state(
-            self.name,
-            self.state,
-            *_BACKWARD_STATES,
-            doing="run its post-backward hook (its pre-backward hook never ran: were its "
-            "outputs detached or passed outside the autograd graph?)",
-        )
-        with accounting.region("fsdp_lite::post_backward"):
+        From ``flat``'s hook, once its gradient is complete. In IDLE, the gradient reached
+        the parameters in a backward that did not pass through this unit's outputs (a
+        chunked loss through the root's head, called outside the root's forward): it stays
+        in the full buffer's ``.grad`` until the end of the next backward that does, as
+        FSDP2 does. ``at_end``: from the root's end of backward (``runtime.finish_backward``),
+        for every flat param, whatever its hook did -- a gradient no hook of this backward
+        took (that one, or one kept under no_sync by a unit this backward missed) is
+        reduced then, in unit order, the same on every rank."""
+        if not at_end:
+            if self.state is TrainingState.IDLE:
+                return
+            check_state(
+                self.name,
+                self.state,
+                *_BACKWARD_STATES,
+                doing="run its post-backward hook (its pre-backward hook never ran: were its "
+                "outputs detached or passed outside the autograd graph?)",
+            )
             self.state = TrainingState.POST_BACKWARD
             # Its gradient is complete, so no node left in this backward reads these
             # parameters: free them before the gradient's casts and copies allocate.
             flat.reshard()
+        if not flat.has_leftover_grad(self.sync_grads):
+            return
+        with accounting.region("fsdp_lite::post_backward"):
             if self.sync_grads:
                 runtime.wait_previous_reduce_scatter(self.ctx)
                 pending = flat.reduce_scatter_grad(self.reduce_dtype(flat))
