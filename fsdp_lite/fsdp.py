@@ -22,7 +22,7 @@ from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.grads import nonfinite_units, total_norm
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.state import TrainingState, check_state
-from fsdp_lite.core.tree import UNIT_ATTR, named_as_unwrapped, units_of
+from fsdp_lite.core.tree import SHARDED_FLAG, UNIT_ATTR, named_as_unwrapped, units_of
 from fsdp_lite.core.unit import Unit
 from fsdp_lite.core.unit_init import (
     build_flat_params,
@@ -163,7 +163,7 @@ class FSDPModule(nn.Module):
         self._register_optimizer_params(use_orig_params or whole_params)
         prepare_buffers(unit, module, sync_module_states)
         install_fp32_modules(module, mixed_precision)
-        module.__dict__["_fsdp_lite_wrapped"] = True
+        module.__dict__[SHARDED_FLAG] = True
         unit.register_hooks()
         module._register_state_dict_hook(
             functools.partial(_state_dict.module_state_dict_hook, unit)

@@ -175,7 +175,7 @@ def train(
     if trainer.hf and cfg.checkpoint.export_hf:
         import train_hf
 
-        out = train_hf.export(cfg, trainer.model, tokenizer, d.rank)
+        out = train_hf.export(train_ckpt.hf_export_dir(cfg), trainer.model, tokenizer, d.rank)
         run_log.note(f"final model (Hugging Face format) saved to {out}")
 
 

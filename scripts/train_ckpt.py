@@ -69,7 +69,12 @@ class RunExistsError(RuntimeError):
 
 
 _REFUSED = ".refused"  # a first attempt refused to start: its torchrun restarts refuse too
-_HF_EXPORT = "hf_final"  # train_hf.export_dir
+_HF_EXPORT = "hf_final"
+
+
+def hf_export_dir(cfg: Config) -> Path:
+    """Where the final model is exported as a Hugging Face checkpoint (``model.hf`` runs)."""
+    return checkpoint_root(cfg) / _HF_EXPORT
 
 
 def earlier_outputs(root: Path) -> list[Path]:

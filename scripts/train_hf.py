@@ -104,16 +104,10 @@ def layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     return fsdp_lite.wrap.transformer_layers(model)
 
 
-def export_dir(cfg: Config) -> Path:
-    import train_ckpt
-
-    return train_ckpt.checkpoint_root(cfg) / "hf_final"
-
-
-def export(cfg: Config, model: fsdp_lite.FSDPModule, tokenizer: Any | None, rank: int) -> Path:
-    """Write the final model as an HF checkpoint (collective: every rank calls it), plus the
-    tokenizer if there is one, so ``AutoModelForCausalLM.from_pretrained(dir)`` loads it."""
-    out = export_dir(cfg)
+def export(out: Path, model: fsdp_lite.FSDPModule, tokenizer: Any | None, rank: int) -> Path:
+    """Write the final model as an HF checkpoint in ``out`` (collective: every rank calls
+    it), plus the tokenizer if there is one, so ``AutoModelForCausalLM.from_pretrained(out)``
+    loads it."""
     fsdp_lite.save_pretrained(model, out)
     if tokenizer is not None and rank == 0:
         tokenizer.save_pretrained(str(out))

@@ -37,7 +37,7 @@ _PREFIX = "checkpointed."
 class CheckpointWrapper(nn.Module):
     """Recompute ``checkpointed``'s forward in backward instead of keeping its activations."""
 
-    _fsdp_lite_wrapped = "checkpointed"  # tree.WRAPPED_ATTR: unwrap steps over this wrapper
+    _fsdp_lite_inner = "checkpointed"  # tree.WRAPPED_ATTR: unwrap steps over this wrapper
 
     def __init__(
         self,

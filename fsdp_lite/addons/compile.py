@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite.core.tree import unit_of
+from fsdp_lite.core.tree import is_sharded, unit_of
 
 _MARK = "_fsdp_lite_compiled"  # in a compiled block's __dict__: the compiled function
 
@@ -66,7 +66,7 @@ def compile_blocks(
     """
     policy = _as_policy(policy_or_types)
     for name, m in model.named_modules():
-        if unit_of(m) is not None or m.__dict__.get("_fsdp_lite_wrapped"):
+        if is_sharded(m):
             where = f"at '{name}'" if name else "the model itself"
             raise ValueError(
                 f"fsdp_lite.compile_blocks: the model already holds an FSDPModule unit "

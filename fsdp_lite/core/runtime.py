@@ -1,8 +1,8 @@
 """What the root owns for its whole tree, per iteration: the recorded unit orders that
 prefetching follows, the reduce-scatters in flight, and the end-of-backward callback.
 
-The step of one unit is in ``unit.py``; only it and these functions move a unit between
-TrainingStates.
+The step of one unit is in ``unit.py``; it and these functions move a unit between
+TrainingStates in training, and ``addons/summon.py`` in and out of SUMMON_FULL_PARAMS.
 """
 
 from __future__ import annotations

@@ -31,7 +31,14 @@ def units_of(root: nn.Module) -> list[Unit]:
 
 # A wrapper module class (activation checkpointing's) names, in this class attribute, the
 # attribute that holds the module it wraps: unwrap steps over it without importing it.
-WRAPPED_ATTR = "_fsdp_lite_wrapped"
+WRAPPED_ATTR = "_fsdp_lite_inner"
+# Set in the __dict__ of a module an FSDPModule has sharded (wrapped once, never again).
+SHARDED_FLAG = "_fsdp_lite_sharded"
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Has an FSDPModule taken ``module``'s parameters (a unit, or the module a unit wraps)?"""
+    return unit_of(module) is not None or bool(module.__dict__.get(SHARDED_FLAG))
 
 
 def unwrap(module: nn.Module) -> nn.Module:

@@ -19,7 +19,7 @@ from fsdp_lite.core.flat_param import (
     shard_ranks,
     unaveraged,
 )
-from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of
+from fsdp_lite.core.tree import clean_named_modules, is_sharded, region_modules, unit_of
 from fsdp_lite.core.wrap import unowned_parameters
 
 if TYPE_CHECKING:
@@ -251,7 +251,7 @@ def check_wrappable(
     """Reject bad arguments before anything is changed."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"FSDPModule wraps an nn.Module, got {type(module).__name__}")
-    if unit_of(module) is not None or module.__dict__.get("_fsdp_lite_wrapped"):
+    if is_sharded(module):
         raise ValueError(
             f"{type(module).__name__} is already wrapped by fsdp_lite.FSDPModule: "
             "wrap each module once (nest units by wrapping children first, then the parent)"
