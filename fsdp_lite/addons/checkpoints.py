@@ -3,16 +3,20 @@
 A checkpoint is a ``torch.distributed.checkpoint`` (DCP) directory. Every rank writes
 only its own shards -- nothing is gathered -- and any world size reads it back. Keys:
 
-    model.<key>               every key of ``model.state_dict()``, original shapes, fp32
-                              (buffers, replicated, as rank 0 holds them)
-    optim.param_groups        [{hyperparameters..., "params": [parameter names]}]
-    optim.state.<name>.<key>  e.g. ``exp_avg`` with the parameter's shape, ``step``
-    optim<k>.*                the same for the k-th of several optimizers (k >= 1)
-    extra.rank<r>             the ``extra`` rank r passed to ``save_checkpoint``
-    fsdp_lite                 {"format": 1, "shards": W, "optimizers": count}
+    model.<key>                   every key of ``model.state_dict()``, original shapes, fp32
+                                  (buffers, replicated, as rank 0 holds them)
+    optim.param_groups.<i>.<hp>   group i's hyperparameters, and ``params``: their names
+    optim.state.<name>.<key>      e.g. ``exp_avg`` with the parameter's shape, ``step``
+    optim<k>.*                    the same for the k-th of several optimizers (k >= 1)
+    extra.rank<r>                 the ``extra`` rank r passed to ``save_checkpoint``
+    fsdp_lite                     {"format": 2, "shards": W, "optimizers": count}
 
-so a user without fsdp_lite can read it with ``dcp.load`` into a plain model's
-``state_dict()`` under ``model.`` keys.
+-- the layout ``torch.distributed.checkpoint`` gives ``{"model": get_model_state_dict(m),
+"optim": get_optimizer_state_dict(m, opt)}``, so PyTorch FSDP2 (and a plain model, with
+``dcp.load``) reads it, and ``load_checkpoint`` reads what FSDP2 and torchtitan write: model
+keys under ``model.`` or none (a weights-only export), optimizer state under ``optim.`` or
+``optimizer.``, its groups per index or, flattened by ``flatten_optimizer_state_dict``, per
+parameter name. Format 1 (fsdp_lite before) kept each optimizer's groups as one object.
 
 [Note: a shard is a few boxes of the original parameter]
 A rank's shard is a contiguous 1-D range of the flattened parameters. Within one
@@ -64,8 +68,10 @@ from fsdp_lite.core import collectives
 from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.tree import units_of
 
-FORMAT = 1
+FORMAT = 2
 MARKER = "fsdp_lite"
+# Keys of what other programs save beside the model (torchtitan): never model keys.
+_NOT_MODEL = ("optim.", "optimizer.", "extra.", "lr_scheduler", "dataloader", "train_state")
 
 
 class CheckpointError(RuntimeError):
@@ -170,7 +176,11 @@ def _model_items(model: nn.Module) -> dict[str, Any]:
 def _optim_items(model: nn.Module, optimizer: torch.optim.Optimizer, prefix: str) -> dict[str, Any]:
     entries = _optim.optimizer_entries(model, optimizer)
     ex = _optim.exchange(model, optimizer, entries)
-    items: dict[str, Any] = {f"{prefix}.param_groups": ex.groups}
+    items: dict[str, Any] = {
+        f"{prefix}.param_groups.{gi}.{key}": value
+        for gi, group in enumerate(ex.groups)
+        for key, value in group.items()
+    }
     names = param_names(model)
     for flat in flat_params(model):
         for key, dtype in _optim.sharded_keys(flat, names, ex.kinds).items():
@@ -277,36 +287,47 @@ def load_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    *,
+    strict: bool = True,
 ) -> dict[str, Any]:
-    """Restore ``model`` (and ``optimizer``) in place from a ``save_checkpoint`` directory
-    written at any world size; return the ``extra`` dict this rank saved (rank 0's when
-    the checkpoint was written by fewer ranks). Call on every rank.
+    """Restore ``model`` (and ``optimizer``) in place from a DCP checkpoint written at any
+    world size, by ``save_checkpoint`` or by another program (PyTorch FSDP2's
+    ``dcp.save({"model": ..., "optim": ...})``, torchtitan, a weights-only export: see the
+    module's docstring); return the ``extra`` dict this rank saved (rank 0's when the
+    checkpoint was written by fewer ranks; ``{}`` for another program's). Call on every
+    rank.
 
     The checkpoint must hold exactly the model's keys and shapes, and the optimizer's
     parameter groups (see ``fsdp_lite.addons.optim_state``); otherwise, or if the directory is
-    incomplete or not an fsdp_lite checkpoint, ``CheckpointError`` is raised on every
-    rank before anything is loaded. ``extra`` is unpickled: load only checkpoints you trust.
+    incomplete, ``CheckpointError`` is raised on every rank before anything is loaded.
+    ``strict=False`` loads the model keys both sides have (warning with the ones skipped;
+    shapes must still agree) and leaves the rest as it is. ``extra`` is unpickled: load
+    only checkpoints you trust.
     """
     check_idle(model, "load a checkpoint")
     path = _existing_checkpoint(os.fspath(path))
-    keys = _read_metadata(path).state_dict_metadata
+    metadata = _read_metadata(path)
+    keys = metadata.state_dict_metadata
+    ours = MARKER in keys  # written by save_checkpoint
     group = _checkpoint_group(model)
     rank = collectives.rank(group)
     extra_key = f"extra.rank{rank}" if f"extra.rank{rank}" in keys else "extra.rank0"
     after: list[Callable] = []
     with _quiet_sharded_tensor():
-        dest, apply_model = _model_dest(model, keys, after)
+        dest, apply_model = _model_dest(model, keys, after, _model_prefix(keys, ours), strict)
         applies = []
         for k, opt in enumerate(_as_list(optimizer)):
-            if f"{_prefix(k)}.param_groups" not in keys:
+            prefix = _optim_prefix(keys, ours, k)
+            if prefix is None:
                 raise CheckpointError(
                     f"{path} holds no optimizer state for optimizer {k} (saved with fewer "
                     "optimizers, or without optimizer=)"
                 )
-            optim_dest, apply_optim = _optim_dest(model, opt, keys, after, _prefix(k))
+            optim_dest, apply_optim = _optim_dest(model, opt, keys, after, prefix)
             dest.update(optim_dest)
             applies.append(apply_optim)
-        dest[extra_key] = None
+        if extra_key in keys:
+            dest[extra_key] = None
         dcp.load(
             dest,
             storage_reader=dcp.FileSystemReader(path),
@@ -318,7 +339,7 @@ def load_checkpoint(
     for apply_optim in applies:  # first: each checks its param groups before loading
         apply_optim(dest)
     apply_model()
-    return dest[extra_key]
+    return dest.get(extra_key) or {}
 
 
 def _existing_checkpoint(path: str) -> str:
@@ -335,12 +356,6 @@ def _read_metadata(path: str) -> Metadata:
             "leaves a '<path>.tmp' directory, never a checkpoint at <path>"
         )
     metadata = dcp.FileSystemReader(path).read_metadata()
-    if MARKER not in metadata.state_dict_metadata:
-        found = sorted(metadata.state_dict_metadata)[:5]
-        raise CheckpointError(
-            f"{path} is a DCP checkpoint but not one written by fsdp_lite.save_checkpoint "
-            f"(no '{MARKER}' entry; keys start {found})"
-        )
     for info in (metadata.storage_data or {}).values():
         file = os.path.join(path, info.relative_path)
         if not os.path.exists(file) or os.path.getsize(file) < info.offset + info.length:
@@ -348,25 +363,55 @@ def _read_metadata(path: str) -> Metadata:
     return metadata
 
 
-def _model_dest(model: nn.Module, keys: dict, after: list[Callable]):
+def _model_prefix(keys: dict, ours: bool) -> str:
+    """``model.`` (fsdp_lite, FSDP2's ``{"model": ...}``) or none (a weights-only export,
+    torchtitan's top-level model keys)."""
+    if ours or any(k.startswith("model.") for k in keys):
+        return "model."
+    return ""
+
+
+def _optim_prefix(keys: dict, ours: bool, k: int) -> str | None:
+    """Where the k-th optimizer's keys are (None: nowhere)."""
+    candidates = [_prefix(k)] if ours or k else ["optim", "optimizer"]
+    for prefix in candidates:
+        if any(key.startswith(f"{prefix}.param_groups") for key in keys):
+            return prefix
+    return None
+
+
+def _model_dest(model: nn.Module, keys: dict, after: list[Callable], prefix: str, strict: bool):
     shapes = {
-        k.removeprefix("model."): tuple(md.size)
+        k.removeprefix(prefix): tuple(md.size)
         for k, md in keys.items()
-        if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
+        if k.startswith(prefix)
+        and isinstance(md, TensorStorageMetadata)
+        and (prefix or not k.startswith(_NOT_MODEL))
     }
     hint = "the checkpoint is of another model (or another version of it)"
+    if not strict:
+        hint += "; strict=False loads the keys both have"
     try:
-        validate_keys(expected_shapes(model), shapes, True, "load_checkpoint", hint=hint)
+        result = validate_keys(expected_shapes(model), shapes, strict, "load_checkpoint", hint)
     except RuntimeError as exc:
         raise CheckpointError(str(exc)) from None
+    if result.missing_keys or result.unexpected_keys:
+        warnings.warn(
+            f"load_checkpoint(strict=False): left as they were: {result.missing_keys}; "
+            f"skipped: {result.unexpected_keys}",
+            stacklevel=3,
+        )
     slots, tensors = state_dict_layout(model)
-    scratch = {id(f): torch.zeros_like(f.shard.detach()) for f, _ in slots.values()}
+    # Started from the current values: keys the checkpoint lacks (strict=False) keep them.
+    scratch = {id(f): f.shard.detach().clone() for f, _ in slots.values()}
     dest: dict[str, Any] = {}
     for key, (flat, i) in slots.items():
-        local = _of(scratch[id(flat)])
-        dest[f"model.{key}"] = _load_dest(flat, i, local, flat.shard.dtype, after)
+        if key in shapes:
+            local = _of(scratch[id(flat)])
+            dest[prefix + key] = _load_dest(flat, i, local, flat.shard.dtype, after)
     for key, (tensor, dtype) in tensors.items():
-        dest[f"model.{key}"] = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
+        if key in shapes:
+            dest[prefix + key] = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
 
     @torch.no_grad()
     def apply() -> None:
@@ -376,7 +421,8 @@ def _model_dest(model: nn.Module, keys: dict, after: list[Callable]):
             flat.home.before_host_write(flat)
             flat.shard.copy_(scratch[id(flat)])
         for key, (tensor, _) in tensors.items():
-            tensor.copy_(dest[f"model.{key}"])
+            if key in shapes:
+                tensor.copy_(dest[prefix + key])
 
     return dest, apply
 
@@ -399,8 +445,8 @@ def _optim_dest(
         layouts = [_optim.entry_state_keys(e, kinds) for e in entries]
     except RuntimeError as exc:
         raise CheckpointError(str(exc)) from None
-    groups_key = f"{prefix}.param_groups"
-    dest: dict[str, Any] = {groups_key: None}
+    group_keys = [k for k in keys if k.startswith(f"{prefix}.param_groups")]
+    dest: dict[str, Any] = {k: _object_dest(keys[k]) for k in group_keys}
     per_entry: list[dict[str, Any]] = []
     for e, layout in zip(entries, layouts, strict=True):
         state: dict[str, Any] = {}
@@ -437,9 +483,51 @@ def _optim_dest(
                 if not sharded:
                     state[key] = loaded[state[key]]
         try:
-            _optim.check_groups(held, loaded[groups_key])
-            _optim.apply_shard_state(optimizer, entries, per_entry, loaded[groups_key])
+            groups = _saved_groups(prefix, {k: loaded[k] for k in group_keys}, held)
+            _optim.check_groups(held, groups)
+            _optim.apply_shard_state(optimizer, entries, per_entry, groups)
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
 
     return dest, apply
+
+
+def _object_dest(md: Any) -> Any:
+    """Where DCP reads a saved non-sharded value: a tensor of its size, or None (a pickled
+    object, set by the planner)."""
+    if isinstance(md, TensorStorageMetadata):
+        return torch.empty(md.size, dtype=md.properties.dtype)
+    return None
+
+
+def _saved_groups(prefix: str, loaded: dict[str, Any], held: list[set[str]]) -> list[dict]:
+    """The checkpoint's param groups as ``[{hyperparameters..., "params": [names]}]``, from
+    one object (format 1), from ``<prefix>.param_groups.<i>.<hp>`` keys (fsdp_lite, FSDP2),
+    or from ``<prefix>.param_groups.<name>.<hp>`` keys (``flatten_optimizer_state_dict``:
+    per parameter, grouped here as this optimizer groups them)."""
+    base = f"{prefix}.param_groups"
+    if base in loaded:
+        return loaded[base]
+    by_index: dict[int, dict[str, Any]] = {}
+    by_name: dict[str, dict[str, Any]] = {}
+    for key, value in loaded.items():
+        rest = key.removeprefix(base + ".")
+        head, _, hp = rest.partition(".")
+        if head.isdigit():
+            by_index.setdefault(int(head), {})[hp] = value
+        else:
+            name, hp = rest.rsplit(".", 1)
+            by_name.setdefault(name, {})[hp] = value
+    if by_index:
+        return [by_index[i] for i in sorted(by_index)]
+    groups = []
+    for gi, names in enumerate(held):
+        hps = [by_name.get(n) for n in sorted(names)]
+        if any(h is None for h in hps) or any(h != hps[0] for h in hps):
+            raise ValueError(
+                f"the checkpoint's hyperparameters for the parameters of param group {gi} "
+                "are missing or differ between them: build the optimizer's groups as the "
+                "checkpoint's were"
+            )
+        groups.append({**(hps[0] or {}), "params": sorted(names)})
+    return groups
