@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp_lite
@@ -58,6 +59,23 @@ def gpt_loss(model, batch) -> torch.Tensor:
 def class_loss(model, batch) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x).float(), y)
+
+
+def local_part(batch: tuple, rank: int, world: int) -> tuple:
+    """This rank's slice of a global batch."""
+    return tuple(t.chunk(world)[rank] for t in batch)
+
+
+def mean_over_ranks(x: torch.Tensor) -> float:
+    """A per-rank loss averaged over the ranks: the global batch's loss."""
+    x = x.detach().float().clone()
+    dist.all_reduce(x)
+    return x.item() / dist.get_world_size()
+
+
+def assert_close_loss(what: str, got: float, want: float, rtol: float) -> None:
+    if abs(got - want) > rtol * max(abs(want), 1e-8):
+        raise AssertionError(f"{what}: fsdp {got:.8g} vs reference {want:.8g}")
 
 
 def wrap_blocks(module, **kwargs) -> fsdp_lite.FSDPModule:

@@ -32,7 +32,16 @@ from torch import nn
 import fsdp_lite
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
-from tests.dist.cases import PRECISIONS, gpt, gpt_loss, token_batch, wrap_blocks
+from tests.dist.cases import (
+    PRECISIONS,
+    assert_close_loss,
+    gpt,
+    gpt_loss,
+    local_part,
+    mean_over_ranks,
+    token_batch,
+    wrap_blocks,
+)
 
 STEPS = 3
 
@@ -43,21 +52,6 @@ def _pair(make: Callable[[], nn.Module], wrap: Callable[[nn.Module], nn.Module],
     model = wrap(copy.deepcopy(ref))
     opts = [torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-6) for m in (ref, model)]
     return ref, model, opts
-
-
-def _local(batch: tuple, rank: int, world: int) -> tuple:
-    return tuple(t.chunk(world)[rank] for t in batch)
-
-
-def _mean(x: torch.Tensor) -> float:
-    x = x.detach().float().clone()
-    dist.all_reduce(x)
-    return x.item() / dist.get_world_size()
-
-
-def _close(what: str, got: float, want: float, rtol: float) -> None:
-    if abs(got - want) > rtol * max(abs(want), 1e-8):
-        raise AssertionError(f"{what}: fsdp {got:.8g} vs reference {want:.8g}")
 
 
 def _same_params(model: nn.Module, ref: nn.Module, atol: float = 1e-5) -> None:
@@ -78,7 +72,7 @@ def _read_weight_between_steps() -> None:
     with pytest.raises(RuntimeError, match="summon_full_params"):
         fc.weight.norm()  # before the first forward
     for m, o, batch in ((ref, ref_opt, token_batch(world, 0)),
-                        (model, opt, _local(token_batch(world, 0), rank, world))):  # fmt: skip
+                        (model, opt, local_part(token_batch(world, 0), rank, world))):  # fmt: skip
         gpt_loss(m, batch).backward()
         o.step()
     weight = fc.weight
@@ -126,12 +120,12 @@ def _validation_forward_before_step(
             batch = token_batch(world, step)
             want = gpt_loss(ref, batch)
             want.backward()
-            got = gpt_loss(model, _local(batch, rank, world))
+            got = gpt_loss(model, local_part(batch, rank, world))
             got.backward()
-            _close(f"step {step} loss", _mean(got), want.item(), tol.loss_rtol)
+            assert_close_loss(f"step {step} loss", mean_over_ranks(got), want.item(), tol.loss_rtol)
             want = gpt_loss(ref, val)  # grad enabled, no backward
-            got = gpt_loss(model, _local(val, rank, world))
-            _close(f"step {step} validation loss", _mean(got), want.item(), tol.loss_rtol)
+            got = gpt_loss(model, local_part(val, rank, world))
+            assert_close_loss(f"step {step} validation loss", mean_over_ranks(got), want.item(), tol.loss_rtol)
             if by_hand:
                 _sgd_through_data(ref), _sgd_through_data(model)
             else:
@@ -139,8 +133,8 @@ def _validation_forward_before_step(
                 ref_opt.zero_grad(), opt.zero_grad()
         with torch.no_grad():
             want = gpt_loss(ref, val).item()
-            got = _mean(gpt_loss(model, _local(val, rank, world)))
-        _close("validation loss after the last step", got, want, tol.loss_rtol)
+            got = mean_over_ranks(gpt_loss(model, local_part(val, rank, world)))
+        assert_close_loss("validation loss after the last step", got, want, tol.loss_rtol)
         if precision == "fp32":
             _same_params(model, ref)
 
@@ -191,7 +185,7 @@ def _unit_used_only_in_no_sync() -> None:
 def _freeze_after_wrapping() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     _, model, (_, opt) = _pair(gpt, wrap_blocks)
-    batch = _local(token_batch(world, 0), rank, world)
+    batch = local_part(token_batch(world, 0), rank, world)
     gpt_loss(model, batch).backward()
     opt.step()
     block = model.module.blocks[0]
@@ -259,7 +253,7 @@ def _chunked_head(tied: bool) -> Callable[[], None]:
             y = torch.randint(0, 32, (2 * world, 8), generator=g)
             want = _chunked_loss(ref, x, y)
             got = _chunked_loss(model, x.chunk(world)[rank], y.chunk(world)[rank])
-            _close(f"step {step} loss", _mean(torch.tensor(got)), want, 1e-5)
+            assert_close_loss(f"step {step} loss", mean_over_ranks(torch.tensor(got)), want, 1e-5)
             ref_opt.step(), opt.step()
             ref_opt.zero_grad(), opt.zero_grad()
         _same_params(model, ref)

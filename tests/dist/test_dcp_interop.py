@@ -35,7 +35,7 @@ from torch.distributed.fsdp import fully_shard
 import fsdp_lite
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import FP32
-from tests.dist.cases import gpt, gpt_loss, token_batch, wrap_blocks
+from tests.dist.cases import gpt, gpt_loss, mean_over_ranks, token_batch, wrap_blocks
 
 SAVED_AT, STEPS, GLOBAL = 3, 5, 6
 
@@ -62,12 +62,6 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, model.state_dict()
 
 
-def _mean(x: torch.Tensor) -> float:
-    x = x.detach().float().clone()
-    dist.all_reduce(x)
-    return x.item() / dist.get_world_size()
-
-
 def _train(model, opt, steps: range, rank: int, world: int) -> list[float]:
     losses = []
     for step in steps:
@@ -75,7 +69,7 @@ def _train(model, opt, steps: range, rank: int, world: int) -> list[float]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(_mean(loss))
+        losses.append(mean_over_ranks(loss))
     return losses
 
 

@@ -20,24 +20,17 @@ import torch.nn.functional as F
 from fsdp_lite.core.tree import units_of
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
-from tests.dist.cases import gpt, gpt_loss, token_batch, wrap_blocks
+from tests.dist.cases import (
+    assert_close_loss,
+    gpt,
+    gpt_loss,
+    local_part,
+    mean_over_ranks,
+    token_batch,
+    wrap_blocks,
+)
 
 STEPS = 3
-
-
-def _local(batch: tuple, rank: int, world: int) -> tuple:
-    return tuple(t.chunk(world)[rank] for t in batch)
-
-
-def _mean(x: torch.Tensor) -> float:
-    x = x.detach().float().clone()
-    dist.all_reduce(x)
-    return x.item() / dist.get_world_size()
-
-
-def _close(what: str, got: float, want: float, rtol: float = 1e-5) -> None:
-    if abs(got - want) > rtol * max(abs(want), 1e-8):
-        raise AssertionError(f"{what}: fsdp {got:.8g} vs reference {want:.8g}")
 
 
 def _same_params(model, ref, what: str) -> None:
@@ -68,9 +61,9 @@ def _distillation() -> None:
     for step in range(STEPS):
         batch = token_batch(world, step)
         want = _distill_loss(ref_student, ref_teacher, batch)
-        got = _distill_loss(student, teacher, _local(batch, rank, world))
+        got = _distill_loss(student, teacher, local_part(batch, rank, world))
         want.backward(), got.backward()
-        _close(f"step {step} loss", _mean(got), want.item())
+        assert_close_loss(f"step {step} loss", mean_over_ranks(got), want.item(), 1e-5)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     _same_params(student, ref_student, "student")
@@ -95,9 +88,9 @@ def _policy_and_reference() -> None:
             zip(models, opts, refs, ref_opts, strict=True)
         ):
             want = gpt_loss(ref, batch)
-            got = gpt_loss(model, _local(batch, rank, world))
+            got = gpt_loss(model, local_part(batch, rank, world))
             want.backward(), got.backward()
-            _close(f"step {step} model {i} loss", _mean(got), want.item())
+            assert_close_loss(f"step {step} model {i} loss", mean_over_ranks(got), want.item(), 1e-5)
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
     _same_params(policy, refs[0], "policy")
