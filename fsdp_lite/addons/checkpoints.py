@@ -418,7 +418,7 @@ def _model_dest(model: nn.Module, keys: dict, after: list[Callable], prefix: str
         for unit in units_of(model):
             unit.reshard()  # full params kept by reshard_after_forward=False would go stale
         for flat, _ in slots.values():
-            flat.home.before_host_write(flat)
+            flat.home.before_host_write(flat.shard)
             flat.shard.copy_(scratch[id(flat)])
         for key, (tensor, _) in tensors.items():
             if key in shapes:

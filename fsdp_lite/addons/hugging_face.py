@@ -387,7 +387,7 @@ def load_pretrained(
 
 def _read_piece(file: Any, key: str, flat: FlatParam, i: int, lo: int, hi: int, at: int) -> None:
     """Elements ``[lo, hi)`` of slot ``i`` from ``file`` into this rank's shard."""
-    flat.home.before_host_write(flat)
+    flat.home.before_host_write(flat.shard)
     shape = tuple(flat.slots[i].shape)
     if not shape:  # 0-dim: the whole (one-element) tensor
         flat.shard[at : at + 1].copy_(file.get_tensor(key).reshape(1))

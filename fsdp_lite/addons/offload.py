@@ -28,16 +28,13 @@ import shutil
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from fsdp_lite.core import devices
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.tree import units_of
-
-if TYPE_CHECKING:
-    from fsdp_lite.core.flat_param import FlatParam
 
 
 @dataclass(frozen=True)
@@ -89,19 +86,19 @@ class CPUHome(DeviceHome):
     def __init__(self, device: torch.device, pin: bool) -> None:
         super().__init__(device)
         self.pin = pin
-        self._staged: list[tuple[FlatParam, torch.Tensor]] = []  # grads copying to host
-        self._uploads: dict[int, object] = {}  # id(flat) -> its last shard copy's event
+        self._staged: list[tuple[nn.Parameter, torch.Tensor]] = []  # grads copying to host
+        self._uploads: dict[int, object] = {}  # id(shard) -> its last copy's event
 
-    def place(self, flat: FlatParam) -> None:
-        data = flat.shard.data.to("cpu")
-        flat.shard.data = data.pin_memory() if self.pin else data
+    def place(self, shard: nn.Parameter) -> None:
+        data = shard.data.to("cpu")
+        shard.data = data.pin_memory() if self.pin else data
 
-    def shard_for_gather(self, flat: FlatParam) -> torch.Tensor:
-        data, self._uploads[id(flat)] = devices.upload(flat.shard.detach(), self.device)
+    def shard_for_gather(self, shard: nn.Parameter) -> torch.Tensor:
+        data, self._uploads[id(shard)] = devices.upload(shard.detach(), self.device)
         return data
 
-    def before_host_write(self, flat: FlatParam) -> None:
-        devices.wait(self._uploads.pop(id(flat), None))
+    def before_host_write(self, shard: nn.Parameter) -> None:
+        devices.wait(self._uploads.pop(id(shard), None))
 
     def end_of_forward(self) -> None:
         # A forward with no backward after it (a validation loss between backward() and
@@ -112,20 +109,20 @@ class CPUHome(DeviceHome):
             devices.wait(event)
         self._uploads.clear()
 
-    def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
+    def accumulate_grad(self, shard: nn.Parameter, grad: torch.Tensor) -> None:
         if self.device.type == "cpu":
-            return super().accumulate_grad(flat, grad)
+            return super().accumulate_grad(shard, grad)
         host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
         host.copy_(grad, non_blocking=self.pin)
-        self._staged.append((flat, host))  # added once the copy is known to be done
+        self._staged.append((shard, host))  # added once the copy is known to be done
 
     def end_of_backward(self) -> None:
         # Also with nothing staged: the optimizer writes the host shards next, and
         # non-blocking host-to-device copies of them (gathers) may still be reading.
         devices.synchronize(self.device)
         self._uploads.clear()
-        for flat, host in self._staged:
-            super().accumulate_grad(flat, host)
+        for shard, host in self._staged:
+            super().accumulate_grad(shard, host)
         self._staged.clear()
 
 
@@ -140,7 +137,7 @@ class SSDHome(DeviceHome):
         super().__init__(device)
         self.directory = directory
         self._maps: list[mmap.mmap] = []
-        self._grads: dict[int, torch.Tensor] = {}  # id(flat) -> file-backed grad buffer
+        self._grads: dict[int, torch.Tensor] = {}  # id(shard) -> file-backed grad buffer
         self._grad_maps: dict[int, mmap.mmap | None] = {}
         self._shard_maps: dict[int, mmap.mmap | None] = {}
         try:
@@ -174,29 +171,28 @@ class SSDHome(DeviceHome):
         tensor = torch.frombuffer(mapping, dtype=like.dtype, count=like.numel())
         return tensor.view(like.shape), mapping
 
-    def place(self, flat: FlatParam) -> None:
-        shard, shard_map = self.new_tensor(flat.shard.data)
-        shard.copy_(flat.shard.data)
-        flat.shard.data = shard
-        grad, grad_map = self.new_tensor(flat.shard.data)
-        self._grads[id(flat)], self._grad_maps[id(flat)] = grad, grad_map
-        self._shard_maps[id(flat)] = shard_map
+    def place(self, shard: nn.Parameter) -> None:
+        data, shard_map = self.new_tensor(shard.data)
+        data.copy_(shard.data)
+        shard.data = data
+        grad, grad_map = self.new_tensor(shard.data)
+        self._grads[id(shard)], self._grad_maps[id(shard)] = grad, grad_map
+        self._shard_maps[id(shard)] = shard_map
         self.release()
 
-    def shard_for_gather(self, flat: FlatParam) -> torch.Tensor:
-        return flat.shard.detach().to(self.device)
+    def shard_for_gather(self, shard: nn.Parameter) -> torch.Tensor:
+        return shard.detach().to(self.device)
 
-    def after_gather(self, flat: FlatParam) -> None:
-        _drop_pages(self._shard_maps[id(flat)])
+    def after_gather(self, shard: nn.Parameter) -> None:
+        _drop_pages(self._shard_maps[id(shard)])
 
-    def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
-        shard = flat.shard
+    def accumulate_grad(self, shard: nn.Parameter, grad: torch.Tensor) -> None:
         if shard.grad is None:  # e.g. after zero_grad(set_to_none=True): reuse the file
-            shard.grad = self._grads[id(flat)]
+            shard.grad = self._grads[id(shard)]
             shard.grad.copy_(grad)
         else:
             shard.grad.add_(grad.to(shard.grad.device))
-        _drop_pages(self._grad_maps[id(flat)])
+        _drop_pages(self._grad_maps[id(shard)])
 
     def release(self) -> None:
         for mapping in self._maps:

@@ -119,7 +119,7 @@ def write_shard(shard: torch.Tensor, flat: FlatParam, values: dict[int, torch.Te
     """Copy this rank's part of each slot's full value (``values[slot index]``, any
     shape with the slot's numel) into the shard-shaped ``shard``; other slots keep theirs."""
     if shard is flat.shard:
-        flat.home.before_host_write(flat)
+        flat.home.before_host_write(flat.shard)
     for i, lo, hi, at in flat.pieces():
         if i in values:
             shard[at : at + hi - lo].copy_(values[i].reshape(-1)[lo:hi])

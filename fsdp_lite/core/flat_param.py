@@ -166,7 +166,7 @@ class FlatParam:
         # Where the shard and its grad live between uses (device, CPU or files).
         self.home = home
         self.device = device  # the compute device
-        home.place(self)
+        home.place(self.shard)
         # Where collectives write the gathered params.  shape: (padded_numel,), storage
         # resized to 0 while resharded. Created at the first gather (nothing is allocated
         # at wrap time), then kept for the life of the unit.
@@ -244,7 +244,7 @@ class FlatParam:
         self._allocate_full()
         accounting.full_allocated(id(self), self.unit_key, self.full_nbytes)
         with torch.no_grad():
-            send = self.home.shard_for_gather(self).to(self.compute_dtype)
+            send = self.home.shard_for_gather(self.shard).to(self.compute_dtype)
             self._gather = collectives.all_gather_flat(
                 self.full_data, send, self.group, async_op=True, unit=self.unit_name,
                 sizes=self.sizes,
@@ -257,7 +257,7 @@ class FlatParam:
         if self._gather is not None:
             self._gather.wait()
             self._gather = self._gather_send = None
-            self.home.after_gather(self)
+            self.home.after_gather(self.shard)
 
     def reshard(self) -> None:
         """Free the full buffer's storage; the parameter locations get placeholders (the
@@ -275,12 +275,12 @@ class FlatParam:
         """
         with torch.no_grad():
             fetched = source is None
-            source = self.home.shard_for_gather(self) if fetched else source.detach()
+            source = self.home.shard_for_gather(self.shard) if fetched else source.detach()
             source = source.to(self.device, self.shard.dtype)
             out = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.device)
             collectives.all_gather_flat(out, source, self.group, sizes=self.sizes)
             if fetched:
-                self.home.after_gather(self)
+                self.home.after_gather(self.shard)
         return out[: self.numel]
 
     def use_full_views(self) -> None:
@@ -453,13 +453,13 @@ class FlatParam:
         in its home (orig params: linked again at the end of backward)."""
         if self.orig_params is not None and self.shard.grad is None:
             self.shard.grad = self._fold_orig_grads()
-        self.home.accumulate_grad(self, grad)
+        self.home.accumulate_grad(self.shard, grad)
 
     def load_full(self, flat: torch.Tensor) -> None:
         """Overwrite this rank's shard from an unpadded full flat tensor (no communication)."""
         start, end = self.rank_range()
         piece = flat[start : min(end, self.numel)]
-        self.home.before_host_write(self)
+        self.home.before_host_write(self.shard)
         with torch.no_grad():
             self.shard.zero_()
             self.shard[: piece.numel()].copy_(piece)

@@ -1,15 +1,13 @@
 """Where a flat param's shard and shard grad live between uses. The default home, the
 compute device, is here; the offload homes (CPU memory, files) extend it in
-``addons/offload.py``. The points a unit calls a home at are listed there."""
+``addons/offload.py``. The points a unit calls a home at are listed there. A home is
+handed the shard ``nn.Parameter`` itself (whose ``.data`` it may move, never the object)
+and knows nothing of flat params."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from fsdp_lite.core.flat_param import FlatParam
+from torch import nn
 
 
 class DeviceHome:
@@ -18,18 +16,17 @@ class DeviceHome:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def place(self, flat: FlatParam) -> None:
+    def place(self, shard: nn.Parameter) -> None:
         pass
 
-    def shard_for_gather(self, flat: FlatParam) -> torch.Tensor:
-        return flat.shard.detach()
+    def shard_for_gather(self, shard: nn.Parameter) -> torch.Tensor:
+        return shard.detach()
 
-    def after_gather(self, flat: FlatParam) -> None:
+    def after_gather(self, shard: nn.Parameter) -> None:
         pass
 
-    def accumulate_grad(self, flat: FlatParam, grad: torch.Tensor) -> None:
+    def accumulate_grad(self, shard: nn.Parameter, grad: torch.Tensor) -> None:
         """Add a reduced shard grad (compute device, reduce dtype) to the fp32 shard grad."""
-        shard = flat.shard
         if shard.grad is None:
             shard.grad = grad.to(shard.dtype)
         else:
@@ -41,9 +38,9 @@ class DeviceHome:
     def end_of_backward(self) -> None:
         pass
 
-    def before_host_write(self, flat: FlatParam) -> None:
-        """The host is about to write ``flat``'s shard (a load, a summon writeback): no
-        copy of it may still be reading it."""
+    def before_host_write(self, shard: nn.Parameter) -> None:
+        """The host is about to write ``shard`` (a load, a summon writeback): no copy of it
+        may still be reading it."""
 
     def release(self) -> None:
         """After the optimizer step: nothing needs to stay resident."""
