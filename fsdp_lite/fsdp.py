@@ -7,6 +7,7 @@ in ``unit.py``; this class builds the unit at wrap time and holds the public API
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -106,63 +107,60 @@ class FSDPModule(nn.Module):
         *,
         use_orig_params: bool = False,
         whole_params: bool = False,
-        _defer_params: frozenset[int] = frozenset(),
-        _init_plan: deferred_init.InitPlan | None = None,
-        _owners: dict[ownership.Location, int] | None = None,
     ) -> None:
-        check_wrappable(module, mixed_precision, prefetch, offload)
-        collectives.require_initialized()
         super().__init__()
+        options = _Options(
+            process_group, auto_wrap_policy, reshard_after_forward, mixed_precision,
+            sync_module_states, device, prefetch, offload, param_init_fn,
+            use_orig_params or whole_params, whole_params,
+        )  # fmt: skip
+        self._build(module, options, _TreePlan())
+
+    def _build(self, module: nn.Module, options: _Options, plan: _TreePlan) -> None:
+        """Make this wrapper ``module``'s unit: the outermost one works out the plan of its
+        whole tree (deferred init, whole-params owners), and every unit its policy picks is
+        built here too, children first, with the same options and plan."""
+        o = options
+        check_wrappable(module, o.mixed_precision, o.prefetch, o.offload)
+        collectives.require_initialized()
         install_stock_scaler_check()  # warns if a stock GradScaler steps multi-rank shards
         self.module = module
         # Parameters are sharded over process_group; with hybrid sharding the shard grads
         # are then averaged over replicate_group (None otherwise).
-        self.process_group, self.replicate_group = collectives.resolve_groups(process_group)
-        self.device = devices.default_device(device)
-        self.mixed_precision = mixed_precision
-        self.prefetch = prefetch
+        self.process_group, self.replicate_group = collectives.resolve_groups(o.process_group)
+        self.device = devices.default_device(o.device)
+        self.mixed_precision = o.mixed_precision
+        self.prefetch = o.prefetch
         rank = collectives.rank(self.process_group)
         unit = Unit(
             module,
             process_group=self.process_group,
             replicate_group=self.replicate_group,
             device=self.device,
-            mixed_precision=mixed_precision,
-            prefetch=prefetch,
-            reshard_after_forward=reshard_after_forward,
-            home=offload.make_home(self.device, rank) if offload else DeviceHome(self.device),
+            mixed_precision=o.mixed_precision,
+            prefetch=o.prefetch,
+            reshard_after_forward=o.reshard_after_forward,
+            home=o.offload.make_home(self.device, rank) if o.offload else DeviceHome(self.device),
         )
         self.__dict__[UNIT_ATTR] = unit
-        if _init_plan is None and deferred_init.has_meta_tensors(module):
-            _init_plan = self._plan_deferred_init(module, param_init_fn)
-        if whole_params and _owners is None:  # the outermost unit plans for its whole tree
-            _owners = ownership.plan_owners(list(unowned_parameters(module)), self.process_group)
-        if auto_wrap_policy is not None:
-            make_unit = functools.partial(
-                _wrap_child,
-                process_group=process_group,
-                reshard_after_forward=reshard_after_forward,
-                mixed_precision=mixed_precision,
-                sync_module_states=sync_module_states,
-                device=self.device,
-                prefetch=prefetch,
-                offload=offload,
-                param_init_fn=param_init_fn,
-                use_orig_params=use_orig_params,
-                whole_params=whole_params,
-                _init_plan=_init_plan,
-                _owners=_owners,
+        if plan.init_plan is None and deferred_init.has_meta_tensors(module):
+            plan = dataclasses.replace(
+                plan, init_plan=self._plan_deferred_init(module, o.param_init_fn)
             )
-            apply_policy(module, auto_wrap_policy, make_unit)
-        owners = _owners if whole_params else None
+        if o.whole_params and plan.owners is None:  # the outermost unit plans for its tree
+            owners = ownership.plan_owners(list(unowned_parameters(module)), self.process_group)
+            plan = dataclasses.replace(plan, owners=owners)
+        if o.auto_wrap_policy is not None:
+            children = dataclasses.replace(o, device=self.device)
+            apply_policy(module, o.auto_wrap_policy, functools.partial(_child, children, plan))
         flats = build_flat_params(
-            unit, module, _defer_params, sync_module_states, _init_plan, owners
+            unit, module, plan.defer, o.sync_module_states, plan.init_plan, plan.owners
         )
         unit.own(flats)
-        unit.replicas_synced = sync_module_states
-        self._register_optimizer_params(use_orig_params or whole_params)
-        prepare_buffers(unit, module, sync_module_states)
-        install_fp32_modules(module, mixed_precision)
+        unit.replicas_synced = o.sync_module_states
+        self._register_optimizer_params(options.orig_params)
+        prepare_buffers(unit, module, o.sync_module_states)
+        install_fp32_modules(module, o.mixed_precision)
         module.__dict__[SHARDED_FLAG] = True
         unit.register_hooks()
         module._register_state_dict_hook(
@@ -422,5 +420,37 @@ class FSDPModule(nn.Module):
         }
 
 
-def _wrap_child(child: nn.Module, defer: set[int], **kwargs: Any) -> FSDPModule:
-    return FSDPModule(child, _defer_params=frozenset(defer), **kwargs)
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """What the user asked of the outermost FSDPModule, in its arguments' order: every unit
+    of the tree is built with it (``orig_params``: use_orig_params or whole_params)."""
+
+    process_group: Any
+    auto_wrap_policy: Policy | None
+    reshard_after_forward: bool | None
+    mixed_precision: MixedPrecision | None
+    sync_module_states: bool
+    device: torch.device | str | int | None
+    prefetch: PrefetchPolicy | None
+    offload: Any
+    param_init_fn: Callable[[nn.Module], None] | None
+    orig_params: bool
+    whole_params: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _TreePlan:
+    """What the outermost unit works out for its whole tree (deferred init's plan, the
+    whole-params owners), and per unit the parameters an enclosing unit takes (a tie)."""
+
+    init_plan: deferred_init.InitPlan | None = None
+    owners: dict[ownership.Location, int] | None = None
+    defer: frozenset[int] = frozenset()
+
+
+def _child(options: _Options, plan: _TreePlan, module: nn.Module, defer: set[int]) -> FSDPModule:
+    """A unit the policy picked, built with the tree's options and plan."""
+    unit = FSDPModule.__new__(FSDPModule)
+    nn.Module.__init__(unit)
+    unit._build(module, options, dataclasses.replace(plan, defer=frozenset(defer)))
+    return unit
