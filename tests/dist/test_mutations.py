@@ -39,11 +39,10 @@ from torch import nn
 import fsdp_lite
 from fsdp_lite.core import collectives
 from fsdp_lite.core.flat_param import FlatParam
-from fsdp_lite.core.home import DeviceHome
+from fsdp_lite.core.tree import units_of
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import BF16, FP16, Run, Tolerance, compare_training
 from fsdp_lite.testing.subtests import assert_subtests_passed, one_line, run_subtests
-from fsdp_lite.core.tree import units_of
 
 Mutation = Callable[[], contextlib.AbstractContextManager[list]]
 
@@ -69,9 +68,9 @@ def scaled_reduce(factor: Callable[[int], float]) -> Iterator[list]:
 def patched_accumulate(skip: Callable[[FlatParam], bool], overwrite: bool) -> Iterator[list]:
     """Where a reduced shard grad lands: skip it for some flat params, or overwrite."""
     hits: list = []
-    original = DeviceHome.accumulate_grad
+    original = FlatParam.accumulate
 
-    def mutant(self, flat, grad):
+    def mutant(flat, grad):
         if skip(flat):
             hits.append(1)
             return None
@@ -79,9 +78,9 @@ def patched_accumulate(skip: Callable[[FlatParam], bool], overwrite: bool) -> It
             hits.append(1)
             flat.shard.grad.copy_(grad)
             return None
-        return original(self, flat, grad)
+        return original(flat, grad)
 
-    with mock.patch.object(DeviceHome, "accumulate_grad", mutant):
+    with mock.patch.object(FlatParam, "accumulate", mutant):
         yield hits
 
 
