@@ -151,7 +151,8 @@ class FSDPModule(nn.Module):
             owners = ownership.plan_owners(list(unowned_parameters(module)), self.process_group)
             plan = dataclasses.replace(plan, owners=owners)
         if o.auto_wrap_policy is not None:
-            children = dataclasses.replace(o, device=self.device)
+            # apply_policy walks the whole subtree bottom-up: a child applies no policy again
+            children = dataclasses.replace(o, device=self.device, auto_wrap_policy=None)
             apply_policy(module, o.auto_wrap_policy, functools.partial(_child, children, plan))
         flats = build_flat_params(
             unit, module, plan.defer, o.sync_module_states, plan.init_plan, plan.owners
