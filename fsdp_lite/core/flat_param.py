@@ -22,6 +22,7 @@ backward ends or the next root forward begins (``runtime.free_kept``): it is nev
 from __future__ import annotations
 
 import bisect
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,11 +65,14 @@ def unaveraged(params: list[nn.Parameter], modules: Iterator[nn.Module]) -> list
     ]
 
 
-_DEVICE_FLAGS = {
-    torch._C.TensorBase.is_meta: "meta",
-    torch._C.TensorBase.is_cuda: "cuda",
-    torch._C.TensorBase.is_cpu: "cpu",
-}
+# A freed parameter's device properties, answered for its real device (a constant).
+_DEVICE_FLAGS = types.MappingProxyType(
+    {
+        torch._C.TensorBase.is_meta: "meta",
+        torch._C.TensorBase.is_cuda: "cuda",
+        torch._C.TensorBase.is_cpu: "cpu",
+    }
+)
 
 
 class FreedParameter(torch.Tensor):
