@@ -2,8 +2,8 @@
 
 The package by layer (imports point down: add-ons use the core, never the reverse):
 
-- ``core/``: one unit's step -- ``unit.py``, ``runtime.py``, ``schedule.py``,
-  ``flat_param.py``, ``collectives.py`` -- and wrap-time work, policies, accounting;
+- ``core/``: the step -- ``root.py``, ``schedule.py``, ``unit.py``, ``flat_param.py``,
+  ``collectives.py`` -- and wrap-time work, policies, accounting;
 - ``fsdp.py``: ``FSDPModule``, the wrapper users hold, built from the core and offering
   the add-ons' state dicts and ``summon_full_params`` as methods;
 - ``addons/``: offload, activation checkpointing, compiled blocks, state dicts and

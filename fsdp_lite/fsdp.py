@@ -1,7 +1,7 @@
 """FSDPModule: the public front of one unit of fully sharded data parallelism.
 
-The unit's state and its step (forward and backward hooks on the wrapped module) are
-in ``unit.py``; this class builds the unit at wrap time and holds the public API.
+The unit's state is in ``unit.py``, its step (run from hooks on the wrapped module) in
+``root.py``; this class builds the unit at wrap time and holds the public API.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from fsdp_lite.addons import state_dict as _state_dict
 from fsdp_lite.addons.grad_scaler import install_stock_scaler_check
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
-from fsdp_lite.core import collectives, deferred_init, devices, ownership, runtime
+from fsdp_lite.core import collectives, deferred_init, devices, ownership, root
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.grads import nonfinite_units, total_norm
 from fsdp_lite.core.home import DeviceHome
@@ -163,7 +163,7 @@ class FSDPModule(nn.Module):
         prepare_buffers(unit, module, o.sync_module_states)
         install_fp32_modules(module, o.mixed_precision)
         module.__dict__[SHARDED_FLAG] = True
-        unit.register_hooks()
+        root.register_hooks(unit)
         module._register_state_dict_hook(
             functools.partial(_state_dict.module_state_dict_hook, unit)
         )
@@ -224,8 +224,8 @@ class FSDPModule(nn.Module):
         """Every unit in this module's tree, this one first: the root's list once it ran
         (no walk over the module tree, which no_sync and clip would do every step)."""
         unit = self._unit
-        if unit.is_root and unit.ctx is not None:
-            return unit.ctx.units
+        if unit.is_root and unit.root is not None:
+            return unit.root.units
         return units_of(self)
 
     @torch.no_grad()
@@ -259,8 +259,8 @@ class FSDPModule(nn.Module):
     def reset_training_state(self) -> None:
         """After an exception inside backward: return every unit to IDLE, resharded, with no
         reduction in flight. (The root's next forward does this by itself, with a warning.)"""
-        if self._unit.ctx is not None:
-            runtime.reset(self._unit.ctx)
+        if self._unit.root is not None:
+            self._unit.root.reset()
 
     def state_dict(
         self,

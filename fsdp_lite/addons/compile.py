@@ -4,7 +4,7 @@
 A unit's step runs from forward hooks on the wrapped module (see ``unit.py``): they gather,
 install fresh views of the full buffer at the parameter attributes, prefetch, and reshard.
 Those hooks run eagerly around the compiled region, never inside it: dynamo skips them
-(``unit._run_eagerly``), so ``block.compile()`` and ``torch.compile(model)``, before or
+(``root.register_hooks``), so ``block.compile()`` and ``torch.compile(model)``, before or
 after wrapping, compile each block's math with a skipped call at the unit's boundary and
 no recompile when each forward installs new parameter views. What this file adds:
 

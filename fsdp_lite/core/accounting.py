@@ -75,7 +75,7 @@ _MAX_PENDING_EVENTS = 512
 
 
 def order_changed(direction: str) -> None:
-    """A pass strayed from the recorded unit order and set a new one (runtime.ExecOrder)."""
+    """A pass strayed from the recorded unit order and set a new one (schedule.ExecOrder)."""
     _REC.order_changes[direction] += 1
 
 

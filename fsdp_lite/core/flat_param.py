@@ -15,7 +15,7 @@ it. Whenever the buffer is freed (and before the first gather) each location hol
 :class:`FreedParameter` instead: shape, dtype and device answer, and any computation
 raises an error naming ``summon_full_params``, never reads freed storage. A full buffer
 kept from a forward (the root's, ``reshard_after_forward=False``) lives until that forward's
-backward ends or the next root forward begins (``runtime.free_kept``): it is never gathered
+backward ends or the next root forward begins (``Root._free_kept``): it is never gathered
 "again if stale", so nothing needs to tell whether the shard changed.
 """
 

@@ -2,19 +2,16 @@
 
 An ``FSDPModule`` carries its ``Unit`` in ``__dict__["_fsdp_lite_unit"]``; every lower
 module finds units through ``unit_of`` instead of importing the wrapper class, so
-dependencies point down (``fsdp.py`` -> ``unit.py`` -> ``runtime.py``/``flat_param.py``).
+dependencies point down (``fsdp.py`` -> ``root.py`` -> ``tree.py`` -> ``unit.py``).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from fsdp_lite.core.unit import Unit
+from fsdp_lite.core.unit import Unit
 
 UNIT_ATTR = "_fsdp_lite_unit"
 
@@ -79,21 +76,6 @@ def region_modules(module: nn.Module) -> list[nn.Module]:
 
     visit(module)
     return out
-
-
-def calling_modules() -> list[nn.Module]:
-    """The modules whose ``forward`` is running on this thread, innermost first (read off
-    the Python stack: call it once, not per step)."""
-    code = nn.Module._call_impl.__code__
-    found: list[nn.Module] = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            module = frame.f_locals.get("self")
-            if isinstance(module, nn.Module) and all(module is not m for m in found):
-                found.append(module)
-        frame = frame.f_back
-    return found
 
 
 def named_as_unwrapped(

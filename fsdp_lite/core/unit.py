@@ -1,27 +1,24 @@
-"""One unit's state and its step, run from hooks on the wrapped module.
+"""One unit: its flat params, its TrainingState, and the steps its root runs on it.
 
-[Note: hooks on the wrapped module]
-The step runs from forward hooks registered on the user's module itself (the module
-given to ``FSDPModule``), as FSDP2 does, not from the wrapper's ``forward``. Every path
-into that module -- the wrapper, Hugging Face's ``generate()`` calling the inner model,
-a direct call of an inner block -- therefore gathers before the module runs and
-reshards after; the wrapper's ``forward`` is one call of ``self.module``.
+A unit knows nothing of the units around it: its ``Root`` (``root.py``) calls these
+steps in order, decides what to prefetch and what to keep, and holds the reduce-scatters
+in flight. Calls go one way: root -> unit -> flat param -> collectives.
 
-One step of one unit, top to bottom in this file:
-
-    pre_forward      (root: lazy init, recover, cast inputs) gather + prefetch, views
-    post_forward     hook the outputs for pre-backward; reshard unless kept
-    pre_backward     gather again + prefetch (the first output gradient to arrive)
-    post_backward    per trainable flat param: reduce-scatter its gradient, reshard
-    inputs_done      frozen flat params resharded once the unit's backward is over
-    finish_backward  (root, ``runtime.py``) results into shard grads, all units IDLE
+    start_forward    check the state and requires_grad; FORWARD
+    unshard          issue the gathers (a prefetch), wait_unshard completes them
+    use_full_params  the module's parameters become views of the full buffers
+    end_forward      reshard unless kept; IDLE
+    start_backward   PRE_BACKWARD; views back for a recompute
+    grad_complete    a flat param's gradient is complete: POST_BACKWARD, free it
+    reduce_grad      reduce-scatter (or keep under no_sync) what gradient it holds
+    end_backward     resharded and IDLE, whatever the backward reached
 
 [Note: when a unit's backward is over]
 One rule, from two autograd events, for every unit. A trainable flat param is done when
-its full gradient is complete: the post-accumulate hook on ``full`` fires, and
-``post_backward`` frees it and reduce-scatters the gradient. A frozen flat param (LoRA's
-base weights) gets no gradient, so no such hook tells when backward is done with it. A
-node of the backward graph runs only if it leads to something that needs a gradient;
+its full gradient is complete: the post-accumulate hook on ``full`` fires,
+``grad_complete`` frees it and ``reduce_grad`` reduce-scatters the gradient. A frozen
+flat param (LoRA's base weights) gets no gradient, so no such hook tells when backward is
+done with it. A node of the backward graph runs only if it leads to something that needs a gradient;
 inside a unit with no nested unit that is either one of the unit's inputs or one of its
 own trainable flat params. The autograd engine fires a leaf's accumulation, and a gradient
 hook on the inputs, only after every node leading to them ran. So once both have fired --
@@ -40,50 +37,33 @@ among the nodes the flat param's gradient waits for: nothing orders it before th
 post-accumulate hook that frees ``full``. It runs first only because the autograd engine
 runs a device's ready nodes in decreasing creation order (sequence number), and the
 parameter views (``FlatParam.use_full_views``: the split whose backward accumulates into
-``full``) are made in ``pre_forward``, before any op of the unit's forward; under
+``full``) are made in the root's ``pre_forward``, before any op of the unit's forward; under
 activation checkpointing the recompute's nodes are newer still. Views made lazily, after
 an op of the unit, would break this: ``tests/unit/test_freeing_order.py`` fails then.
-
-The root's backward starts first and its gradient (the embedding's, which ran first in
-forward) completes last, so the root keeps its full parameters through the whole
-backward, as FSDP2's does. What keeps that small is what keeps it small in torchtitan:
-the embedding and the head get units of their own (``wrap.instances``,
-``wrap.embeddings_and_head``), and the root keeps little more than the final norm. A
-head tied to the embedding stays in the root (a tied parameter lives in one unit).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from fsdp_lite.core import accounting, collectives, divergence, runtime, schedule
+from fsdp_lite.core import collectives
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.core.flat_param import FlatParam, unaveraged
+from fsdp_lite.core.flat_param import FlatParam, PendingGrad
 from fsdp_lite.core.home import DeviceHome
+from fsdp_lite.core.nested import tensors_in
 from fsdp_lite.core.state import TrainingState, check_state
-from fsdp_lite.core.tree import (
-    calling_modules,
-    clean_named_modules,
-    region_modules,
-    unit_of,
-    unwrap,
-)
-from fsdp_lite.core.unit_init import check_replicas_agree
 
 _BACKWARD_STATES = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
 
 class Unit:
-    """The flat params, TrainingState and hooks of one ``FSDPModule``."""
+    """The flat params and TrainingState of one ``FSDPModule``."""
 
     def __init__(
         self,
@@ -103,80 +83,36 @@ class Unit:
         self.device = device  # the compute device
         self.mixed_precision = mixed_precision
         self.prefetch = prefetch  # only the root's is read: it applies to the whole tree
-        self.reshard_after_forward = reshard_after_forward  # as given; see keeps_full_after_forward
+        self.reshard_after_forward = reshard_after_forward  # as given; see schedule.build
         self.home = home  # where shards and shard grads live between uses
         self.flat_params: list[FlatParam] = []  # set by own(), after nested units exist
         self.state = TrainingState.IDLE
         self.sync_grads = True  # False inside no_sync()
-        self.is_root: bool | None = None  # decided at the first forward
-        self.ctx: runtime.RootContext | None = None  # shared by every unit of the root's tree
-        self.name = type(module).__name__  # the module path, from lazy init on
+        # The Root (root.py) that runs this unit's step, set at its first forward; only
+        # root.py reads it (from the hooks), the unit itself never calls it.
+        self.root: Any = None
+        self.is_root = False  # the unit its root was made for
+        self.name = type(module).__name__  # the module path, from the root's making on
         self.frozen_early = False  # frozen flat params freed in backward (see Note)
         self.watches: weakref.WeakSet = weakref.WeakSet()  # forward calls awaiting input grads
         self.grads_pending: set[int] = set()  # id of trainable flats not reduced this backward
-        self.enclosure_checked = False  # see _check_enclosing_modules
         self.replicas_synced = False  # hybrid: sync_module_states broadcast rank 0's values
 
     def own(self, flats: list[FlatParam]) -> None:
-        """Take ``flats`` and hook each full gradient to this unit's post-backward."""
         self.flat_params = flats
-        for flat in flats:
-            # Weak references: autograd holds the hook from C++, where Python's garbage
-            # collector cannot see the cycle unit -> flat -> full -> hook -> unit.
-            flat.post_accumulate_hook = functools.partial(
-                _post_accumulate, weakref.ref(self), weakref.ref(flat)
-            )
-
-    def register_hooks(self) -> None:
-        pre, post = _run_eagerly(self.pre_forward), _run_eagerly(self.post_forward)
-        self.module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
-        # always_call: also after an exception in forward, to reshard and return to IDLE.
-        self.module.register_forward_hook(post, with_kwargs=True, always_call=True)
 
     # -- forward -------------------------------------------------------------------
 
-    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        self.lazy_init()
-        mp = self.mixed_precision
-        if self.is_root and mp is not None and mp.cast_inputs:
-            args, kwargs = runtime.cast_floats((args, kwargs), mp.param_dtype)
-        with _outside_inference_mode():
-            if runtime.in_backward():  # activation-checkpoint recompute
-                self.pre_backward()
-                self.use_full_params()
-                self._watch_inputs(args, kwargs, recompute=True)
-                return (args, kwargs)
-            if self.is_root:
-                runtime.recover_if_interrupted(self.ctx)
-                runtime.check_no_unreduced_grads(self.ctx)
-                runtime.free_kept(self.ctx)
-                self._check_enclosing_modules()
-            check_state(self.name, self.state, TrainingState.IDLE, doing="run forward")
-            if torch.is_grad_enabled():
-                self._check_requires_grad()
-            self.state = TrainingState.FORWARD
-            if self.is_root:
-                divergence.start_iteration(self.name, self.process_group, self.device)
-                self.ctx.forward_order.start()
-            with accounting.region("fsdp_lite::unshard"):
-                self.unshard_with_prefetch(backward=False)
-                self.use_full_params()
-        self._watch_inputs(args, kwargs)
-        return (args, kwargs)
+    def start_forward(self) -> None:
+        check_state(self.name, self.state, TrainingState.IDLE, doing="run forward")
+        if torch.is_grad_enabled():
+            self._check_requires_grad()
+        self.state = TrainingState.FORWARD
 
-    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """After forward (``output is None`` also after an exception in it: see
-        ``register_hooks``)."""
-        if self.state is not TrainingState.FORWARD:
-            return  # a recompute in backward, or pre_forward refused to start
-        grad_enabled = torch.is_grad_enabled()
-        if grad_enabled and output is not None:
-            self.register_pre_backward(output)
-        if output is None or not (grad_enabled and self.keeps_full_after_forward()):
+    def end_forward(self, keep_full: bool) -> None:
+        if not keep_full:
             self.reshard()
         self.state = TrainingState.IDLE
-        if self.is_root:
-            runtime.end_of_root_forward(self.ctx)
 
     def _check_requires_grad(self) -> None:
         """Refuse a shard whose ``requires_grad`` changed after wrapping: its flat param
@@ -208,80 +144,13 @@ class Unit:
                     stacklevel=2,
                 )
 
-    def _check_enclosing_modules(self) -> None:
-        """Once, at the first root forward that builds a graph on several ranks: refuse a
-        root running inside a module whose trainable parameters belong to no unit (only the
-        blocks were wrapped): nothing would average their gradients across ranks."""
-        if self.enclosure_checked or not torch.is_grad_enabled():
-            return
-        self.enclosure_checked = True
-        replicas = self.replicate_group
-        ranks = collectives.world_size(self.process_group) * (
-            collectives.world_size(replicas) if replicas is not None else 1
-        )
-        if ranks == 1:
-            return
-        for outer in reversed(calling_modules()):  # outermost first
-            if outer is self.module or unit_of(outer) is self:
-                break
-            loose = _unsharded_trainable(outer)
-            if loose:
-                shown = ", ".join(loose[:3]) + (
-                    f" and {len(loose) - 3} more" if len(loose) > 3 else ""
-                )
-                raise RuntimeError(
-                    f"fsdp_lite: the unit '{self.name}' runs as a root inside "
-                    f"{type(outer).__name__}, whose trainable parameters {shown} belong to no "
-                    f"unit: nothing averages their gradients across the {ranks} ranks, so the "
-                    "ranks would silently diverge. Wrap the whole model -- FSDPModule(model, "
-                    "auto_wrap_policy=...) still makes each block its own unit -- or freeze "
-                    "those parameters"
-                )
-
-    def keeps_full_after_forward(self) -> bool:
-        """After a forward that built a graph: keep the full parameters for backward?
-        (``schedule.keeps_full_after_forward``, from this unit's facts.)"""
-        return schedule.keeps_full_after_forward(
-            reshard_after_forward=self.reshard_after_forward, is_root=self.is_root is True
-        )
-
-    def lazy_init(self) -> None:
-        """Make the first unit to run forward the root of every unit below it."""
-        if self.ctx is not None:
-            return
-        units = [self] + [u for m in self.module.modules() if (u := unit_of(m)) is not None]
-        ctx = runtime.RootContext(units=units, prefetch=self.prefetch)
-        names = {id(m): n for n, m in clean_named_modules(self.module)}
-        for unit in units:
-            unit.is_root = unit is self
-            unit.ctx = ctx
-            path = names.get(id(unwrap(unit.module)), "")
-            unit.name = path or f"<root {type(unit.module).__name__}>"
-            for flat in unit.flat_params:
-                flat.unit_name, flat.unit_key = unit.name, id(unit)
-                flat.placeholders = None  # placeholders made from now on name the unit
-        for unit in units:
-            unit.frozen_early = _frees_frozen_early(unit, units)
-            check_replicas_agree(unit)
-
     # -- gather and free -------------------------------------------------------------
 
-    def unshard_with_prefetch(self, backward: bool) -> None:
-        """Issue this unit's gather, then the next units' gathers, then wait for its own."""
-        ctx = self.ctx
-        ctx.prefetched.discard(self)
+    def unshard(self, async_op: bool) -> None:
         for flat in self.flat_params:
-            flat.unshard(async_op=True)
-        for other in ctx.next_units(self, backward):
-            if schedule.skips_prefetch(
-                backward=backward,
-                from_root=self.is_root is True,
-                target_started=other.state is not TrainingState.IDLE,
-            ):
-                continue
-            ctx.prefetched.add(other)
-            for flat in other.flat_params:
-                flat.unshard(async_op=True)
+            flat.unshard(async_op=async_op)
+
+    def wait_unshard(self) -> None:
         for flat in self.flat_params:
             flat.wait_unshard()
 
@@ -296,83 +165,49 @@ class Unit:
 
     # -- backward --------------------------------------------------------------------
 
-    def register_pre_backward(self, output: Any) -> None:
-        """Hook every output that needs a gradient; the first to fire re-gathers. Outputs
-        are found in tuples, lists, dicts, dataclasses (HF ``ModelOutput``).
+    def start_backward(self) -> None:
+        """PRE_BACKWARD: every trainable flat param awaits its gradient."""
+        self.state = TrainingState.PRE_BACKWARD
+        self.grads_pending = {id(f) for f in self.flat_params if f.requires_grad}
 
-        The hook goes on the node that made the output, not the tensor: the engine runs a
-        node's pre-hooks after the tensor hooks on the same gradient, so the unit after this
-        one (reading this output as its input) learns that its backward is over, and frees
-        its frozen parameters, before this unit gathers (see the Note above)."""
-        nodes = set()
-        for t in tensors_in(output):
-            if not t.requires_grad:
-                continue
-            if t.grad_fn is None:
-                t.register_hook(self._pre_backward_hook)
-            elif t.grad_fn not in nodes:
-                nodes.add(t.grad_fn)
-                t.grad_fn.register_prehook(self._pre_backward_hook)
+    def use_views_again(self) -> None:
+        for flat in self.flat_params:
+            flat.use_views_again()
 
-    def _pre_backward_hook(self, grad: Any) -> None:
-        self.pre_backward()
+    def grad_complete(self, flat: FlatParam) -> bool:
+        """``flat``'s full gradient is complete (its post-accumulate hook): free the full
+        buffer before the gradient's casts and copies allocate, since no node left in this
+        backward reads it (see Note). False in IDLE: the gradient reached the parameters in
+        a backward that did not pass through this unit's outputs (a chunked loss through
+        the root's head, called outside the root's forward); it stays in the full buffer's
+        ``.grad`` until the end of the next backward that does, as FSDP2 does."""
+        if self.state is TrainingState.IDLE:
+            return False
+        check_state(
+            self.name,
+            self.state,
+            *_BACKWARD_STATES,
+            doing="run its post-backward hook (its pre-backward hook never ran: were its "
+            "outputs detached or passed outside the autograd graph?)",
+        )
+        self.state = TrainingState.POST_BACKWARD
+        flat.reshard()
+        return True
 
-    def pre_backward(self) -> None:
-        """Re-gather the full parameters before this unit's backward (once per backward)."""
-        ctx = self.ctx
-        if not ctx.callback_queued:
-            ctx.callback_queued = True
-            ctx.backward_order.start()
-            torch.autograd.Variable._execution_engine.queue_callback(
-                functools.partial(runtime.finish_backward, ctx)
-            )
-        if self.state is not TrainingState.IDLE:
-            return
-        with accounting.region("fsdp_lite::pre_backward"):
-            self.state = TrainingState.PRE_BACKWARD
-            self.grads_pending = {id(f) for f in self.flat_params if f.requires_grad}
-            self.unshard_with_prefetch(backward=True)
-            for flat in self.flat_params:
-                flat.use_views_again()
-
-    def post_backward(self, flat: FlatParam, at_end: bool = False) -> None:
-        """Reduce-scatter the gradient ``flat`` holds (or keep it under no_sync): the one
-        reduce path. Idempotent: a gradient already taken leaves nothing to do.
-
-        From ``flat``'s hook, once its gradient is complete. In IDLE, the gradient reached
-        the parameters in a backward that did not pass through this unit's outputs (a
-        chunked loss through the root's head, called outside the root's forward): it stays
-        in the full buffer's ``.grad`` until the end of the next backward that does, as
-        FSDP2 does. ``at_end``: from the root's end of backward (``runtime.finish_backward``),
-        for every flat param, whatever its hook did -- a gradient no hook of this backward
-        took (that one, or one kept under no_sync by a unit this backward missed) is
-        reduced then, in unit order, the same on every rank."""
-        if not at_end:
-            if self.state is TrainingState.IDLE:
-                return
-            check_state(
-                self.name,
-                self.state,
-                *_BACKWARD_STATES,
-                doing="run its post-backward hook (its pre-backward hook never ran: were its "
-                "outputs detached or passed outside the autograd graph?)",
-            )
-            self.state = TrainingState.POST_BACKWARD
-            # Its gradient is complete, so no node left in this backward reads these
-            # parameters: free them before the gradient's casts and copies allocate.
-            flat.reshard()
+    def reduce_grad(self, flat: FlatParam) -> PendingGrad | None:
+        """Reduce-scatter the gradient ``flat`` holds, or keep it under no_sync: the one
+        reduce path, from the gradient's hook and, for every flat param, from the root's
+        end of backward. Idempotent: a gradient already taken leaves nothing to do."""
         if not flat.has_leftover_grad(self.sync_grads):
-            return
-        with accounting.region("fsdp_lite::post_backward"):
-            if self.sync_grads:
-                runtime.wait_previous_reduce_scatter(self.ctx)
-                pending = flat.reduce_scatter_grad(self.reduce_dtype(flat))
-                if pending is not None:
-                    self.ctx.pending.append(pending)
-            else:
-                flat.accumulate_unsharded()
-            self.grads_pending.discard(id(flat))
-            self._free_frozen_if_done()
+            return None
+        pending = None
+        if self.sync_grads:
+            pending = flat.reduce_scatter_grad(self.reduce_dtype(flat))
+        else:
+            flat.accumulate_unsharded()
+        self.grads_pending.discard(id(flat))
+        self._free_frozen_if_done()
+        return pending
 
     def in_backward(self) -> bool:
         return self.state in _BACKWARD_STATES
@@ -389,7 +224,7 @@ class Unit:
                     if not flat.requires_grad:
                         flat.reshard()
 
-    def _watch_inputs(self, args: tuple, kwargs: dict, recompute: bool = False) -> None:
+    def watch_inputs(self, args: tuple, kwargs: dict, recompute: bool = False) -> None:
         """With frozen params freed early: a hook on the inputs that need a gradient tells
         when this call's backward is over (the hook, and with it the watch, lives as long
         as the autograd graph does)."""
@@ -420,6 +255,16 @@ class Unit:
             flat.views = None  # they belong to this iteration's graph
         self.state = TrainingState.IDLE
 
+    def drop_unreduced_grads(self) -> None:
+        """Forget gradients no backward reduced (an interrupted iteration)."""
+        for flat in self.flat_params:
+            if flat.full is not None:
+                flat.full.grad = None
+
+    def unreduced_grad(self) -> bool:
+        """A gradient kept by ``grad_complete`` in IDLE that no backward reduced yet?"""
+        return any(f.full is not None and f.full.grad is not None for f in self.flat_params)
+
 
 class _Watch:
     """One watched forward call; lives as long as its autograd graph."""
@@ -433,66 +278,9 @@ def _inputs_done(unit_ref: weakref.ref, watch: _Watch) -> None:
         unit.inputs_done(watch)
 
 
-def _run_eagerly(hook: Any) -> Any:
-    """``hook``, never traced by dynamo: where the module's call is compiled
-    (``module.compile()``, ``torch.compile(model)``), the hooks run eagerly around the
-    compiled forward, as FSDP2's do, instead of putting collectives, storage resizes and
-    state changes into the graph (graph breaks inside it, and a recompile whenever a
-    hook's branch changes)."""
-    return torch._dynamo.disable(hook, recursive=True)
-
-
-def _frees_frozen_early(unit: Unit, units: list[Unit]) -> bool:
-    """Can ``unit`` free its frozen flat params when its backward is over (see Note)?"""
-    if all(flat.requires_grad for flat in unit.flat_params):
-        return False
-    if any(unit_of(m) is not None for m in unit.module.modules()):
-        return False  # nested units: nodes here may lead only to their parameters
-    region = {id(m) for m in region_modules(unit.module)}
-    return not any(
-        id(module) in region
-        for other in units
-        if other is not unit
-        for flat in other.flat_params
-        for slot in flat.slots
-        for module, _ in slot.locations
-    )
-
-
-def _unsharded_trainable(root: nn.Module) -> list[str]:
-    """Names of ``root``'s trainable parameters that nothing averages across ranks."""
-    named = list(root.named_parameters())
-    return [named[i][0] for i in unaveraged([p for _, p in named], root.modules())]
-
-
-def tensors_in(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
-    """Every tensor in nested tuples, lists, mappings and dataclass instances."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-        return
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return
-    if isinstance(obj, Mapping):
-        values = list(obj.values())
-    elif isinstance(obj, list | tuple):
-        values = list(obj)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        values = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
-    else:
-        return
-    seen.add(id(obj))
-    for value in values:
-        yield from tensors_in(value, seen)
-
-
-def _outside_inference_mode() -> contextlib.AbstractContextManager:
+def outside_inference_mode() -> contextlib.AbstractContextManager:
     """Full buffers and their views are made as normal tensors even in inference mode:
     they live for the whole run, and training after an inference-mode forward needs them."""
     if torch.is_inference_mode_enabled():
         return torch.inference_mode(False)
     return contextlib.nullcontext()
-
-
-def _post_accumulate(unit_ref: weakref.ref, flat_ref: weakref.ref, full: torch.Tensor) -> None:
-    unit_ref().post_backward(flat_ref())

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_lite.core import collectives, deferred_init, ownership, runtime
+from fsdp_lite.core import collectives, deferred_init, ownership
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.flat_param import (
     FlatParam,
@@ -19,11 +18,10 @@ from fsdp_lite.core.flat_param import (
     shard_ranks,
     unaveraged,
 )
+from fsdp_lite.core.nested import cast_floats
 from fsdp_lite.core.tree import clean_named_modules, is_sharded, region_modules, unit_of
+from fsdp_lite.core.unit import Unit
 from fsdp_lite.core.wrap import unowned_parameters
-
-if TYPE_CHECKING:
-    from fsdp_lite.core.unit import Unit
 
 
 def _flattened_by_nested(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
@@ -282,11 +280,11 @@ def install_fp32_modules(module: nn.Module, mp: MixedPrecision | None) -> None:
     for sub in region_modules(module):
         if isinstance(sub, mp.fp32_module_types):
             sub.register_forward_pre_hook(
-                lambda m, args, kwargs: runtime.cast_floats((args, kwargs), torch.float32),
+                lambda m, args, kwargs: cast_floats((args, kwargs), torch.float32),
                 with_kwargs=True,
             )
             sub.register_forward_hook(
-                lambda m, args, out, dtype=mp.param_dtype: runtime.cast_floats(out, dtype)
+                lambda m, args, out, dtype=mp.param_dtype: cast_floats(out, dtype)
             )
 
 
@@ -303,7 +301,7 @@ _CHECKED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 _hook_installed = False
 
 
-def _live_ddp_modules() -> list[nn.Module]:
+def live_ddp_modules() -> list[nn.Module]:
     """Every ``DistributedDataParallel`` module alive in this process (a scan of the
     garbage collector's objects: on an error path only)."""
     import gc
@@ -353,7 +351,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: obj
     ranks = max((world * replicas for world, replicas in marks), default=1)
     loose = [params[i] for i in unaveraged(params, [])] if ranks > 1 else []
     if loose:  # the error path only: DDP modules may average them
-        loose = [loose[i] for i in unaveraged(loose, _live_ddp_modules())]
+        loose = [loose[i] for i in unaveraged(loose, live_ddp_modules())]
     if loose:
         shapes = ", ".join(str(tuple(p.shape)) for p in loose[:4])
         raise RuntimeError(

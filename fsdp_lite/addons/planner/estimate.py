@@ -42,7 +42,7 @@ from fsdp_lite.addons.planner.layout import UnitLayout, layout_units, own_whole_
 from fsdp_lite.addons.planner.replay import TERMS, ReplayConfig, replay
 from fsdp_lite.addons.planner.trace import StepTrace, trace_step
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.core.unit import tensors_in
+from fsdp_lite.core.nested import tensors_in
 from fsdp_lite.core.wrap import Policy
 
 _MiB = 2**20

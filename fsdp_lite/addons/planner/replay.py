@@ -17,10 +17,10 @@ Each term is one named line of the breakdown, each following one place of the co
 - ``reduce_scatter_buffers``: the full gradient cast to the reduce dtype, at the
   post-backward; and, on a real backend, what the process group keeps of the one
   reduce-scatter in flight until the next unit's post-backward waits for it
-  (``runtime.wait_previous_reduce_scatter``): the input itself (the cast, or the full
+  (``Root._reduce``): the input itself (the cast, or the full
   gradient), which NCCL stashes and gloo all-reduces in place. The fake keeps nothing.
 - ``gradients``: the reduce-scatter outputs (shard-sized, reduce dtype) waiting in
-  ``RootContext.pending`` for the end of backward, then the fp32 shard grads they become
+  ``Root.pending`` for the end of backward, then the fp32 shard grads they become
   (``PendingGrad.finish``; a copy where the reduce dtype is not the master dtype).
 - ``activations``, ``backward_temporaries``: (traced) see ``addons/planner/trace.py``.
 - ``optimizer_temporaries``: what the optimizer step allocates: AdamW's ``denom`` (a square
@@ -277,7 +277,7 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
 
 
 def _end_of_backward(r: _Replay, mark: Mark) -> None:
-    """``runtime.finish_backward``: every reduce-scatter waited for, results into fp32 shard
+    """``Root.finish_backward``: every reduce-scatter waited for, results into fp32 shard
     grads (a copy where the reduce dtype differs), every unit resharded."""
     r.held = 0
     grads = copies = 0

@@ -54,8 +54,7 @@ from fsdp_lite.addons.planner.storage import (
     StorageTracker,
 )
 from fsdp_lite.core.api import MixedPrecision
-from fsdp_lite.core.runtime import cast_floats, in_backward
-from fsdp_lite.core.unit import tensors_in
+from fsdp_lite.core.nested import cast_floats, in_backward, tensors_in
 
 
 @dataclass
@@ -250,7 +249,7 @@ def _post_backward(tracker: StorageTracker, unit: int, flat: int, full: torch.Te
 
 
 def _hook_outputs(output: Any, fire: Callable[[], None]) -> None:
-    """``Unit.register_pre_backward``: one hook per gradient node of the outputs."""
+    """``Root._hook_outputs``: one hook per gradient node of the outputs."""
     nodes = set()
     for t in tensors_in(output):
         if not t.requires_grad:

@@ -1,0 +1,404 @@
+"""The root of a tree of units: it runs the step of every unit in its tree.
+
+[Note: hooks on the wrapped module]
+The step runs from forward hooks registered on the user's module itself (the module
+given to ``FSDPModule``), as FSDP2 does, not from the wrapper's ``forward``. Every path
+into that module -- the wrapper, Hugging Face's ``generate()`` calling the inner model,
+a direct call of an inner block -- therefore gathers before the module runs and
+reshards after; the wrapper's ``forward`` is one call of ``self.module``. Each hook
+finds the unit's ``Root`` (made at the unit's first forward: the first unit to run
+forward becomes the root of every unit below it) and calls it; the root calls the unit.
+
+One step, top to bottom in this file:
+
+    pre_forward      (root: start_iteration) gather + prefetch, views
+    post_forward     hook the outputs for pre-backward; reshard unless the schedule keeps
+    pre_backward     queue finish_backward; gather again + prefetch
+    post_backward    per trainable flat param: free it, reduce-scatter its gradient
+    finish_backward  leftover gradients through the same reduce path; results into shard
+                     grads; every unit resharded and IDLE
+
+The root's backward starts first and its gradient (the embedding's, which ran first in
+forward) completes last, so the root keeps its full parameters through the whole
+backward, as FSDP2's does. What keeps that small is what keeps it small in torchtitan:
+the embedding and the head get units of their own (``wrap.instances``,
+``wrap.embeddings_and_head``), and the root keeps little more than the final norm. A
+head tied to the embedding stays in the root (a tied parameter lives in one unit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_lite.core import accounting, collectives, divergence, schedule
+from fsdp_lite.core.flat_param import FlatParam, PendingGrad, unaveraged
+from fsdp_lite.core.nested import cast_floats, in_backward, tensors_in
+from fsdp_lite.core.state import TrainingState
+from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of, unwrap
+from fsdp_lite.core.unit import Unit, outside_inference_mode
+from fsdp_lite.core.unit_init import check_replicas_agree, live_ddp_modules
+
+
+def register_hooks(unit: Unit) -> None:
+    """Hook ``unit``'s module (forward) and full gradients (backward) to its root's step.
+
+    The forward hooks run eagerly, never traced by dynamo: where the module's call is
+    compiled (``module.compile()``, ``torch.compile(model)``), they run around the
+    compiled forward, as FSDP2's do, instead of putting collectives, storage resizes and
+    state changes into the graph (graph breaks inside it, and a recompile whenever a
+    hook's branch changes)."""
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        root = unit.root if unit.root is not None else Root(unit)
+        return root.pre_forward(unit, args, kwargs)
+
+    def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        unit.root.post_forward(unit, output)
+
+    disable = functools.partial(torch._dynamo.disable, recursive=True)
+    unit.module.register_forward_pre_hook(disable(pre), prepend=True, with_kwargs=True)
+    # always_call: also after an exception in forward, to reshard and return to IDLE.
+    unit.module.register_forward_hook(disable(post), with_kwargs=True, always_call=True)
+    for flat in unit.flat_params:
+        # Weak references: autograd holds the hook from C++, where Python's garbage
+        # collector cannot see the cycle unit -> flat -> full -> hook -> unit.
+        flat.post_accumulate_hook = functools.partial(
+            _post_accumulate, weakref.ref(unit), weakref.ref(flat)
+        )
+
+
+def _post_accumulate(unit_ref: weakref.ref, flat_ref: weakref.ref, full: torch.Tensor) -> None:
+    unit = unit_ref()
+    unit.root.post_backward(unit, flat_ref())
+
+
+class Root:
+    """What the root owns for every unit of its tree: the units in order, the recorded
+    orders and the schedule built from them, the gathers prefetched and the reduce-scatters
+    in flight, and the end-of-backward callback."""
+
+    def __init__(self, unit: Unit) -> None:
+        units = [unit] + [u for m in unit.module.modules() if (u := unit_of(m)) is not None]
+        names = {id(m): n for n, m in clean_named_modules(unit.module)}
+        for u in units:
+            u.root, u.is_root = self, u is unit
+            path = names.get(id(unwrap(u.module)), "")
+            u.name = path or f"<root {type(u.module).__name__}>"
+            for flat in u.flat_params:
+                flat.unit_name, flat.unit_key = u.name, id(u)
+                flat.placeholders = None  # placeholders made from now on name the unit
+        for u in units:
+            u.frozen_early = _frees_frozen_early(u, units)
+            check_replicas_agree(u)
+        self.unit = unit
+        self.units = units  # every unit in the tree, the root first
+        self.prefetch = unit.prefetch  # the root's policy applies to the whole tree
+        self.forward_order: schedule.ExecOrder[Unit] = schedule.ExecOrder("forward")
+        self.backward_order: schedule.ExecOrder[Unit] = schedule.ExecOrder("backward")
+        self.schedule = self._build_schedule()
+        self.prefetched: set[Unit] = set()  # gathered ahead, not yet run
+        self.pending: list[PendingGrad] = []  # reduce-scatters in flight
+        self.callback_queued = False  # the end-of-backward callback of this backward
+        self.inputs_checked = False  # see _check_inputs
+
+    def _build_schedule(self) -> schedule.Schedule[Unit]:
+        return schedule.build(
+            self.units,
+            self.unit,
+            lambda u: u.reshard_after_forward,
+            self.forward_order.recorded or (),
+            self.backward_order.recorded or (),
+            self.prefetch,
+        )
+
+    def _freeze(self, order: schedule.ExecOrder[Unit]) -> None:
+        if order.freeze():
+            self.schedule = self._build_schedule()
+
+    # -- forward -------------------------------------------------------------------
+
+    def pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple:
+        mp = unit.mixed_precision
+        if unit.is_root and mp is not None and mp.cast_inputs:
+            args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
+        with outside_inference_mode():
+            if in_backward():  # activation-checkpoint recompute
+                self.pre_backward(unit)
+                unit.use_full_params()
+                unit.watch_inputs(args, kwargs, recompute=True)
+                return (args, kwargs)
+            if unit.is_root:
+                self._start_iteration(args, kwargs)
+            unit.start_forward()
+            if unit.is_root:
+                divergence.start_iteration(unit.name, unit.process_group, unit.device)
+                self.forward_order.start()
+            with accounting.region("fsdp_lite::unshard"):
+                self._unshard(unit, backward=False)
+                unit.use_full_params()
+        unit.watch_inputs(args, kwargs)
+        return (args, kwargs)
+
+    def _start_iteration(self, args: tuple, kwargs: dict) -> None:
+        """At the root's forward: recover from an interrupted backward, refuse gradients no
+        backward reduced, free full parameters kept from a forward whose backward never
+        came, and (once) check what the inputs were computed from."""
+        self._recover_if_interrupted()
+        self._check_no_unreduced_grads()
+        self._free_kept()
+        self._check_inputs(args, kwargs)
+
+    def post_forward(self, unit: Unit, output: Any) -> None:
+        """After forward (``output is None`` also after an exception in it: see
+        ``register_hooks``)."""
+        if unit.state is not TrainingState.FORWARD:
+            return  # a recompute in backward, or pre_forward refused to start
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and output is not None:
+            self._hook_outputs(unit, output)
+        keep = output is not None and grad_enabled and unit in self.schedule.keeps_full
+        unit.end_forward(keep_full=keep)
+        if unit.is_root:
+            self._end_forward()
+
+    def _end_forward(self) -> None:
+        """Freeze the forward order after the first pass; free gathers nobody used; let every
+        home settle its forward's copies (a forward need not be followed by a backward: the
+        optimizer may write offloaded shards next)."""
+        self._freeze(self.forward_order)
+        for unit in self.prefetched:
+            if unit.state is TrainingState.IDLE:
+                unit.reshard()
+        self.prefetched.clear()
+        for home in self._homes():
+            home.end_of_forward()
+
+    def _recover_if_interrupted(self) -> None:
+        """If the last backward never finished (an exception inside it), reset, so the new
+        iteration starts clean."""
+        if in_backward():
+            return
+        if self.callback_queued or any(u.in_backward() for u in self.units):
+            warnings.warn(
+                "fsdp_lite: the previous backward did not finish (did it raise?); resetting "
+                "every unit to IDLE and dropping its unfinished gradient reductions",
+                stacklevel=5,
+            )
+            self.reset()
+
+    def reset(self) -> None:
+        """Forget an interrupted iteration: every unit resharded and IDLE, nothing in flight."""
+        for pending in self.pending:
+            with contextlib.suppress(Exception):
+                pending.wait()
+        self.pending.clear()
+        for unit in self.units:
+            unit.end_backward()
+            unit.drop_unreduced_grads()
+        self.prefetched.clear()
+        self.callback_queued = False
+
+    def _free_kept(self) -> None:
+        """Free full parameters kept from the last forward (the root's,
+        ``reshard_after_forward=False``) whose backward never came -- a validation forward
+        with grad enabled. Kept full parameters live until their forward's backward ends or
+        the next root forward begins, so none is ever used after the optimizer (or a load,
+        an EMA, a ``p.data`` write) changed the shards it was gathered from. A backward of
+        that earlier forward still to come gathers them again, into the same storage its
+        graph saved."""
+        for unit in self.units:
+            if unit.state is TrainingState.IDLE:
+                unit.reshard()
+
+    def _check_no_unreduced_grads(self) -> None:
+        """A gradient kept by ``Unit.grad_complete`` in IDLE that no backward reduced would
+        silently miss the step it belongs to."""
+        for unit in self.units:
+            if unit.unreduced_grad():
+                unit.drop_unreduced_grads()
+                raise RuntimeError(
+                    f"fsdp_lite: unit '{unit.name}' got a gradient in a backward that did not "
+                    "pass through its outputs (one of its modules called outside its forward, "
+                    "e.g. a loss through the root's head), and no backward through its outputs "
+                    "followed before this forward: the gradient was never averaged across "
+                    "ranks and did not reach the last step. Call backward through the output "
+                    "of the model's forward (h.backward(grad_h)) after such partial backwards; "
+                    "the gradient has been dropped"
+                )
+
+    def _check_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Once, at the first root forward that builds a graph on several ranks: refuse
+        inputs computed from trainable parameters of no unit (a root inside a module whose
+        own parameters nobody wrapped, when only the blocks were): nothing would average
+        their gradients across ranks. The inputs' autograd history is walked once, to its
+        leaves; the optimizer's first step refuses such parameters too (``unit_init``)."""
+        if self.inputs_checked or not torch.is_grad_enabled():
+            return
+        self.inputs_checked = True
+        unit = self.unit
+        replicas = unit.replicate_group
+        ranks = collectives.world_size(unit.process_group) * (
+            collectives.world_size(replicas) if replicas is not None else 1
+        )
+        if ranks == 1:
+            return
+        leaves = [t for t in _graph_leaves(args, kwargs) if isinstance(t, nn.Parameter)]
+        loose = [leaves[i] for i in unaveraged(leaves, [])]
+        if loose:  # the error path only: DDP modules may average them
+            loose = [loose[i] for i in unaveraged(loose, live_ddp_modules())]
+        if loose:
+            shapes = ", ".join(str(tuple(p.shape)) for p in loose[:4])
+            raise RuntimeError(
+                f"fsdp_lite: the inputs of the root unit '{unit.name}' were computed from "
+                f"{len(loose)} trainable parameter(s) of no fsdp_lite unit (shapes {shapes}"
+                f"{', ...' if len(loose) > 4 else ''}): nothing averages their gradients "
+                f"across the {ranks} ranks, so the ranks would silently diverge. Wrap the "
+                "whole model -- FSDPModule(model, auto_wrap_policy=...) still makes each "
+                "block its own unit -- or freeze those parameters"
+            )
+
+    # -- gather and free -------------------------------------------------------------
+
+    def _unshard(self, unit: Unit, backward: bool) -> None:
+        """Issue ``unit``'s gather, then the gathers the schedule prefetches at this point
+        of the pass, then wait for its own."""
+        self.prefetched.discard(unit)
+        unit.unshard(async_op=True)
+        order = self.backward_order if backward else self.forward_order
+        for other in self.schedule.prefetches(order.visit(unit), backward):
+            if backward and other.state is not TrainingState.IDLE:
+                continue  # its backward already ran
+            self.prefetched.add(other)
+            other.unshard(async_op=True)
+        unit.wait_unshard()
+
+    def _homes(self) -> list:
+        """The root's homes, each once (units may share one)."""
+        return list({id(f.home): f.home for u in self.units for f in u.flat_params}.values())
+
+    # -- backward --------------------------------------------------------------------
+
+    def _hook_outputs(self, unit: Unit, output: Any) -> None:
+        """Hook every output that needs a gradient; the first to fire re-gathers. Outputs
+        are found in tuples, lists, dicts, dataclasses (HF ``ModelOutput``).
+
+        The hook goes on the node that made the output, not the tensor: the engine runs a
+        node's pre-hooks after the tensor hooks on the same gradient, so the unit after this
+        one (reading this output as its input) learns that its backward is over, and frees
+        its frozen parameters, before this unit gathers (see unit.py's Note)."""
+        hook = functools.partial(_pre_backward_hook, self, unit)
+        nodes = set()
+        for t in tensors_in(output):
+            if not t.requires_grad:
+                continue
+            if t.grad_fn is None:
+                t.register_hook(hook)
+            elif t.grad_fn not in nodes:
+                nodes.add(t.grad_fn)
+                t.grad_fn.register_prehook(hook)
+
+    def pre_backward(self, unit: Unit) -> None:
+        """Re-gather ``unit``'s full parameters before its backward (once per backward)."""
+        if not self.callback_queued:
+            self.callback_queued = True
+            self.backward_order.start()
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+        if unit.state is not TrainingState.IDLE:
+            return
+        with accounting.region("fsdp_lite::pre_backward"):
+            unit.start_backward()
+            self._unshard(unit, backward=True)
+            unit.use_views_again()
+
+    def post_backward(self, unit: Unit, flat: FlatParam) -> None:
+        """``flat``'s full gradient is complete: free it and reduce-scatter the gradient."""
+        if unit.grad_complete(flat):
+            self._reduce(unit, flat)
+
+    def _reduce(self, unit: Unit, flat: FlatParam) -> None:
+        """The one reduce path (``Unit.reduce_grad``), with at most one reduce-scatter in
+        flight: before a unit issues one, the one before it is waited for. Until waited
+        for, each holds memory the size of its full gradient (gloo's copy; NCCL's stashed
+        input); the previous one had this unit's whole backward to finish. With hybrid
+        sharding its replicate all-reduce starts then, overlapping this unit's backward.
+        Results reach the shard grads at the end of backward, in issue order; every rank
+        issues the same collectives in the same order whatever the timing."""
+        if not flat.has_leftover_grad(unit.sync_grads):
+            return
+        with accounting.region("fsdp_lite::post_backward"):
+            if unit.sync_grads and self.pending:
+                self.pending[-1].replicate()  # every earlier one was waited for the same way
+            pending = unit.reduce_grad(flat)
+            if pending is not None:
+                self.pending.append(pending)
+
+    def finish_backward(self) -> None:
+        """End of backward: reduce what no hook took, wait for every reduce-scatter, set shard
+        grads, reshard, back to IDLE.
+
+        A gradient no post-backward of this backward took (one reached a unit in IDLE, one
+        kept under no_sync by a unit this backward missed) is reduced here, through the same
+        path, in unit order, the same on every rank."""
+        with accounting.region("fsdp_lite::finish_backward"):
+            for unit in self.units:
+                for flat in unit.flat_params:
+                    self._reduce(unit, flat)
+            for pending in self.pending:
+                pending.finish()
+            self.pending.clear()
+            for home in self._homes():
+                home.end_of_backward()
+            for unit in self.units:
+                for flat in unit.flat_params:
+                    flat.link_orig_grads()  # the optimizer's parameters see the new grads
+            for unit in self.units:
+                unit.end_backward()
+            self.prefetched.clear()
+            self._freeze(self.backward_order)
+            self.callback_queued = False
+
+
+def _pre_backward_hook(root: Root, unit: Unit, grad: Any) -> None:
+    root.pre_backward(unit)
+
+
+def _graph_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The leaves (tensors accumulating a gradient) of the autograd history of every tensor
+    in ``args`` and ``kwargs``."""
+    stack = [t.grad_fn for t in tensors_in((args, kwargs)) if t.grad_fn is not None]
+    seen: set = set()
+    leaves = []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None:
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+def _frees_frozen_early(unit: Unit, units: list[Unit]) -> bool:
+    """Can ``unit`` free its frozen flat params when its backward is over (unit.py's Note)?"""
+    if all(flat.requires_grad for flat in unit.flat_params):
+        return False
+    if any(unit_of(m) is not None for m in unit.module.modules()):
+        return False  # nested units: nodes here may lead only to their parameters
+    region = {id(m) for m in region_modules(unit.module)}
+    return not any(
+        id(module) in region
+        for other in units
+        if other is not unit
+        for flat in other.flat_params
+        for slot in flat.slots
+        for module, _ in slot.locations
+    )
