@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from fsdp_lite.addons import state_dict as _state_dict
-from fsdp_lite.addons.grad_scaler import install_stock_scaler_check
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
 from fsdp_lite.core import collectives, deferred_init, devices, ownership, root
-from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
+from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy, resolve_optimizer_params
 from fsdp_lite.core.grads import nonfinite_units, total_norm
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.state import TrainingState, check_state
@@ -77,17 +76,20 @@ class FSDPModule(nn.Module):
             module's own parameters and buffers (default: reset_parameters(), HF _init_weights);
             each unit materializes and initializes only its own modules (see
             ``deferred_init.py``).
-        use_orig_params: ``parameters()`` yields, instead of one flat shard per flat
-            param, this rank's piece of each original parameter as an ``nn.Parameter``
-            view of the shard, registered under its original name (``named_parameters()``
-            reads as the unwrapped model's, less pieces this rank does not hold): per-
-            parameter optimizer groups. A piece cut from a larger parameter is 1-D with
-            leading 1s up to its ``ndim``; matrix optimizers refuse it.
-        whole_params: shard each flat param on parameter boundaries, so each rank owns
-            whole original parameters (``ownership.py``: largest first, balanced by bytes
-            over the model); implies ``use_orig_params``, and ``named_parameters()``
-            yields this rank's parameters with their shapes (``torch.optim.Muon`` runs
-            on them unchanged). Gathers and reduce-scatters take per-rank sizes.
+        optimizer_params: what ``parameters()`` yields, so what an optimizer steps:
+            ``"flat"`` (default): one fp32 shard per flat param (``flat_param_<i>``), the
+            cheapest on the host. ``"pieces"``: this rank's piece of each original
+            parameter as an ``nn.Parameter`` view of the shard, under its original name
+            (``named_parameters()`` reads as the unwrapped model's, less pieces this rank
+            does not hold): per-parameter optimizer groups; a piece cut from a larger
+            parameter is 1-D with leading 1s up to its ``ndim``, and matrix optimizers
+            refuse it. ``"whole"``: each flat param is sharded on parameter boundaries, so
+            each rank owns whole original parameters (``ownership.py``: largest first,
+            balanced by bytes over the model), yielded with their names and shapes
+            (``torch.optim.Muon`` runs on them unchanged); gathers and reduce-scatters
+            take per-rank sizes.
+        use_orig_params: FSDP1's name: ``True`` is ``optimizer_params="pieces"``.
+        whole_params: ``True`` is ``optimizer_params="whole"`` (the older name).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class FSDPModule(nn.Module):
         offload: CPUOffload | SSDOffload | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         *,
+        optimizer_params: str | None = None,
         use_orig_params: bool = False,
         whole_params: bool = False,
     ) -> None:
@@ -112,7 +115,7 @@ class FSDPModule(nn.Module):
         options = _Options(
             process_group, auto_wrap_policy, reshard_after_forward, mixed_precision,
             sync_module_states, device, prefetch, offload, param_init_fn,
-            use_orig_params or whole_params, whole_params,
+            resolve_optimizer_params(optimizer_params, use_orig_params, whole_params),
         )  # fmt: skip
         self._build(module, options, _TreePlan())
 
@@ -123,7 +126,6 @@ class FSDPModule(nn.Module):
         o = options
         check_wrappable(module, o.mixed_precision, o.prefetch, o.offload)
         collectives.require_initialized()
-        install_stock_scaler_check()  # warns if a stock GradScaler steps multi-rank shards
         self.module = module
         # Parameters are sharded over process_group; with hybrid sharding the shard grads
         # are then averaged over replicate_group (None otherwise).
@@ -147,7 +149,8 @@ class FSDPModule(nn.Module):
             plan = dataclasses.replace(
                 plan, init_plan=self._plan_deferred_init(module, o.param_init_fn)
             )
-        if o.whole_params and plan.owners is None:  # the outermost unit plans for its tree
+        # The outermost unit plans whole params' owners for its tree.
+        if o.optimizer_params == "whole" and plan.owners is None:
             owners = ownership.plan_owners(list(unowned_parameters(module)), self.process_group)
             plan = dataclasses.replace(plan, owners=owners)
         if o.auto_wrap_policy is not None:
@@ -159,7 +162,7 @@ class FSDPModule(nn.Module):
         )
         unit.own(flats)
         unit.replicas_synced = o.sync_module_states
-        self._register_optimizer_params(options.orig_params)
+        self._register_optimizer_params(o.optimizer_params != "flat")
         prepare_buffers(unit, module, o.sync_module_states)
         install_fp32_modules(module, o.mixed_precision)
         module.__dict__[SHARDED_FLAG] = True
@@ -176,8 +179,7 @@ class FSDPModule(nn.Module):
 
     @property
     def reshard_after_forward(self) -> bool | None:
-        """As given at wrap time (``None``: decided per step by
-        ``Unit.keeps_full_after_forward``)."""
+        """As given at wrap time (``None``: the root's schedule decides, ``schedule.build``)."""
         return self._unit.reshard_after_forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -345,7 +347,7 @@ class FSDPModule(nn.Module):
         if orig and moved != orig[0].shard.device:
             raise TypeError(
                 f"fsdp_lite: moving a wrapped model to {moved} would cut the optimizer's "
-                "parameters (use_orig_params / whole_params: views of the shards) off the "
+                "parameters (optimizer_params 'pieces' or 'whole': views of the shards) off the "
                 "shards. Pass device= to FSDPModule, or move the module before wrapping"
             )
         if isinstance(probe, torch.Tensor) and probe.dtype != torch.float32:
@@ -424,7 +426,7 @@ class FSDPModule(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class _Options:
     """What the user asked of the outermost FSDPModule, in its arguments' order: every unit
-    of the tree is built with it (``orig_params``: use_orig_params or whole_params)."""
+    of the tree is built with it."""
 
     process_group: Any
     auto_wrap_policy: Policy | None
@@ -435,8 +437,7 @@ class _Options:
     prefetch: PrefetchPolicy | None
     offload: Any
     param_init_fn: Callable[[nn.Module], None] | None
-    orig_params: bool
-    whole_params: bool
+    optimizer_params: str  # "flat", "pieces" or "whole"
 
 
 @dataclasses.dataclass(frozen=True)

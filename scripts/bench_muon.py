@@ -9,9 +9,9 @@ same seed before wrapping and fed the same batches (``--batch`` sequences per ra
 four cases:
 
 1. ``default + AdamW``: fsdp_lite's default layout (even flat shards), one AdamW.
-2. ``whole + AdamW``: ``whole_params=True`` (each rank owns whole original parameters),
+2. ``whole + AdamW``: ``optimizer_params="whole"`` (each rank owns whole original parameters),
    one AdamW over ``model.parameters()``.
-3. ``whole + Muon``: ``whole_params=True``, ``torch.optim.Muon`` on the blocks' 2-D
+3. ``whole + Muon``: ``optimizer_params="whole"``, ``torch.optim.Muon`` on the blocks' 2-D
    matrices this rank owns, AdamW on the rest; Muon communicates nothing.
 4. ``FSDP2 + Muon (gather)``: torch's ``fully_shard`` on each Block and the root; Muon as
    FSDP2 users write it (``GatherMuon`` below): momentum on the local dim-0 shard, the

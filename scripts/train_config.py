@@ -106,7 +106,7 @@ class OptimConfig:
         "adamw",
         "`adamw` (every parameter), or `muon`: `torch.optim.Muon` on the blocks' 2-D matrices "
         "and AdamW (`train.lr`) on the rest, over whole-parameter shards "
-        "(`FSDPModule(whole_params=True)`: each rank owns whole matrices)",
+        "(`FSDPModule(optimizer_params='whole')`: each rank owns whole matrices)",
     )
     muon_lr: float = opt(0.02, "`muon`: Muon's peak learning rate (warmup and decay as `train.lr`)")
 

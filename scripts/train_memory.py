@@ -49,7 +49,7 @@ def estimate(
         loss_fn=_loss(cfg.model.hf is not None, x),
         device=d.device,
         backend="nccl" if d.device.type == "cuda" else "gloo",
-        whole_params=cfg.optim.name == "muon",
+        optimizer_params="whole" if cfg.optim.name == "muon" else "flat",
     )
 
 

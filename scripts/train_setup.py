@@ -195,7 +195,8 @@ def build_model(cfg: Config, vocab_size: int, d: Dist) -> tuple[fsdp_lite.FSDPMo
         device=d.device,
         prefetch=prefetch,
         offload=_offload(cfg),
-        whole_params=cfg.optim.name == "muon",  # Muon steps whole matrices
+        # Muon steps whole matrices
+        optimizer_params="whole" if cfg.optim.name == "muon" else "flat",
     )
     torch.manual_seed(cfg.train.seed + d.rank)  # dropout differs per rank
     return model, n_params

@@ -9,22 +9,19 @@ theirs, and from then on the ranks train with different scales and different wei
 ``ShardedGradScaler`` all-reduces the found-inf flags (MAX over the process group) right
 after the unscale, so every rank skips the same steps and updates its scale identically.
 
-Stepping fsdp_lite shards of a multi-rank unit from a stock ``GradScaler`` warns once per
-optimizer (``install_stock_scaler_check``, installed by the first ``FSDPModule``).
+Each optimizer it unscales is marked, so the optimizer misuse check
+(``core/optimizer_check.py``) warns at the first step of an optimizer over fp16 shards of
+a multi-rank unit that no ``ShardedGradScaler`` unscaled (a stock one, or none).
 """
 
 from __future__ import annotations
 
-import sys
-import warnings
-import weakref
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_lite.core import collectives, devices
-from fsdp_lite.core.flat_param import shard_ranks
+from fsdp_lite.core.optimizer_check import mark_overflow_agreed
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -113,66 +110,4 @@ class ShardedGradScaler(torch.amp.GradScaler):
         for flag in flags.values():
             flag.zero_()
         flags[device] = verdict
-
-
-# -- the check for a stock GradScaler -----------------------------------------------
-# optimizer -> (its number of param groups when last looked at, "skip" | "watch" | "warned")
-_SEEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, str]] = (
-    weakref.WeakKeyDictionary()
-)
-_HOOK: list[Any] = []  # the global step pre-hook's handle, once installed
-_FRAMES_UP = 8  # the scaler's step is 2-4 frames above the hook; a little slack
-
-
-def install_stock_scaler_check() -> None:
-    """Warn once per optimizer when a stock ``torch.amp.GradScaler`` steps fsdp_lite shards
-    of a multi-rank unit (a global optimizer step pre-hook; installing twice is a no-op)."""
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_check_step))
-
-
-def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    groups = len(optimizer.param_groups)
-    seen = _SEEN.get(optimizer)
-    if seen is None or (seen[0] != groups and seen[1] != "warned"):
-        seen = (groups, "watch" if _holds_multi_rank_shards(optimizer) else "skip")
-        _SEEN[optimizer] = seen
-    if seen[1] != "watch":
-        return
-    user_level = _stock_scaler_caller()
-    if user_level is None:
-        return
-    _SEEN[optimizer] = (groups, "warned")
-    warnings.warn(
-        f"fsdp_lite: a stock torch.amp.GradScaler steps {type(optimizer).__name__} over "
-        "fsdp_lite shards of a multi-rank unit. Each rank's scaler checks only its own "
-        "shard grads for inf/nan, so the ranks skip different steps and their loss scales "
-        "(and weights) drift apart. Use fsdp_lite.ShardedGradScaler, a drop-in replacement "
-        "whose ranks agree on every overflow.",
-        UserWarning,
-        stacklevel=user_level,
-    )
-
-
-def _holds_multi_rank_shards(optimizer: torch.optim.Optimizer) -> bool:
-    return any(
-        (shard_ranks(p) or (1, 1))[0] > 1 for g in optimizer.param_groups for p in g["params"]
-    )
-
-
-def _stock_scaler_caller() -> int | None:
-    """If a stock (not sharded) GradScaler's ``step`` is on the stack: the stack level, as
-    ``warnings.warn`` in ``_check_step`` counts it, of the code that called that ``step``."""
-    frame = sys._getframe(2)  # past this function and _check_step (level 1)
-    for level in range(2, 2 + _FRAMES_UP):
-        if frame is None:
-            return None
-        name = frame.f_code.co_name
-        if name in ("step", "_maybe_opt_step"):
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, torch.amp.GradScaler):
-                if isinstance(owner, ShardedGradScaler):
-                    return None
-                return level + (2 if name == "_maybe_opt_step" else 1)
-        frame = frame.f_back
-    return None
+        mark_overflow_agreed(optimizer)

@@ -126,6 +126,9 @@ class CPUHome(DeviceHome):
         self._staged.clear()
 
 
+# Process-wide by nature, as the directories are: file names unique in the process, and one
+# home per directory while any flat param uses it (a home removes its directory at exit,
+# so two homes on one directory would remove each other's files).
 _file_ids = itertools.count()
 _SSD_HOMES: weakref.WeakValueDictionary[str, SSDHome] = weakref.WeakValueDictionary()
 

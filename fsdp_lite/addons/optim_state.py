@@ -10,10 +10,10 @@ indices, which depends neither on the world size nor on the layout.
 [Note: what an optimizer parameter covers]
 By default an optimizer parameter is a flat param's shard: a run of every original
 parameter of the flat param, all sharing one param group (a Linear's weight and bias
-land together). With ``use_orig_params`` or ``whole_params`` it is one original
+land together). With ``optimizer_params`` "pieces" or "whole" it is one original
 parameter's piece on this rank (``FlatParam.orig_params``), so groups are per
 parameter. Either way it is the run ``[at, at + numel)`` of the shard (an ``Entry``).
-Ranks may hold different parameters -- with ``whole_params`` each rank owns its own, and
+Ranks may hold different parameters -- with whole params each rank owns its own, and
 an optimizer may hold nothing of a unit on some rank -- so every collective here walks
 the model's flat params (the same on every rank), after one exchange of objects that
 tells every rank which names, keys and groups exist (``exchange``).
@@ -504,5 +504,5 @@ def check_groups(held: list[set[str]], saved_groups: list[dict]) -> None:
                 f"optimizer (only in the checkpoint: {sorted(got - want)[:4]}, only here: "
                 f"{sorted(want - got)[:4]}). Build the groups from the same parameters; by "
                 "default fsdp_lite puts each flat param (a unit's parameters of one dtype) in "
-                "one group (use_orig_params=True: per parameter)"
+                "one group (optimizer_params='pieces': per parameter)"
             )

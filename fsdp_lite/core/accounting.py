@@ -45,6 +45,8 @@ class _Recorder:
     live_units: int = 0  # units with a live full buffer: count of _owners above 0
 
 
+# Process-wide by nature: fsdp_lite.stats() reports what this process did, over every
+# model and group, since the last reset_stats().
 _REC = _Recorder()
 
 

@@ -85,3 +85,30 @@ class PrefetchPolicy:
                 f"PrefetchPolicy.max_in_flight must be an int >= 1, got {self.max_in_flight!r}; "
                 "pass prefetch=None to FSDPModule to turn prefetching off"
             )
+
+
+# What an optimizer over a wrapped model steps (``FSDPModule(optimizer_params=...)``):
+# "flat": one flat shard per unit and dtype (the cheapest on the host); "pieces": this
+# rank's piece of each original parameter, under its name (FSDP1's use_orig_params=True);
+# "whole": whole original parameters, each owned by one rank (matrix optimizers: Muon).
+OPTIMIZER_PARAMS = ("flat", "pieces", "whole")
+
+
+def resolve_optimizer_params(
+    optimizer_params: str | None, use_orig_params: bool = False, whole_params: bool = False
+) -> str:
+    """The one option from the new name and the two older booleans (``use_orig_params``,
+    FSDP1's name, means "pieces"; ``whole_params`` means "whole"); raises if they disagree."""
+    implied = "whole" if whole_params else "pieces" if use_orig_params else None
+    if optimizer_params is None:
+        return implied or "flat"
+    if optimizer_params not in OPTIMIZER_PARAMS:
+        raise ValueError(
+            f"optimizer_params must be one of {OPTIMIZER_PARAMS}, got {optimizer_params!r}"
+        )
+    if implied is not None and implied != optimizer_params:
+        raise ValueError(
+            f"optimizer_params={optimizer_params!r} contradicts use_orig_params="
+            f"{use_orig_params}, whole_params={whole_params}: pass optimizer_params alone"
+        )
+    return optimizer_params

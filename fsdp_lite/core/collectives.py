@@ -228,6 +228,9 @@ def group_cache(group: ProcessGroup) -> dict[str, Any]:
     return cache
 
 
+# State that belongs to a process group (the divergence check's agreed paths, whole params'
+# bytes owned so far, separate reduce-scatter groups), keyed weakly by the group: it dies
+# with the group, and a new group after destroy_process_group starts clean.
 _GROUP_CACHES: weakref.WeakKeyDictionary[ProcessGroup, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 

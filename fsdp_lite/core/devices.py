@@ -78,6 +78,8 @@ def pins_host_memory(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+# Process-wide by nature: one upload stream per device, shared by every model (a stream per
+# model would only add streams competing for the same copy engine).
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 

@@ -1,6 +1,6 @@
 """Whole-parameter sharding: which rank owns each original parameter.
 
-With ``FSDPModule(..., whole_params=True)`` a flat param is cut on parameter boundaries
+With ``FSDPModule(..., optimizer_params="whole")`` a flat param is cut on parameter boundaries
 instead of at ``numel / W``: each original parameter lives whole in one rank's shard, so
 an optimizer that needs whole matrices (``torch.optim.Muon``) steps them with no
 communication of its own. Owners are chosen largest parameter first, each onto the rank

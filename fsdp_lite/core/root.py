@@ -38,12 +38,15 @@ import torch
 from torch import nn
 
 from fsdp_lite.core import accounting, collectives, divergence, schedule
-from fsdp_lite.core.flat_param import FlatParam, PendingGrad, unaveraged
+from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.nested import cast_floats, in_backward, tensors_in
+from fsdp_lite.core.optim_view import unaveraged
+from fsdp_lite.core.optimizer_check import live_ddp_modules
+from fsdp_lite.core.reduce import PendingGrad
 from fsdp_lite.core.state import TrainingState
 from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of, unwrap
 from fsdp_lite.core.unit import Unit, outside_inference_mode
-from fsdp_lite.core.unit_init import check_replicas_agree, live_ddp_modules
+from fsdp_lite.core.unit_init import check_replicas_agree
 
 
 def register_hooks(unit: Unit) -> None:
@@ -238,7 +241,7 @@ class Root:
         inputs computed from trainable parameters of no unit (a root inside a module whose
         own parameters nobody wrapped, when only the blocks were): nothing would average
         their gradients across ranks. The inputs' autograd history is walked once, to its
-        leaves; the optimizer's first step refuses such parameters too (``unit_init``)."""
+        leaves; the optimizer's first step refuses such parameters too (``optimizer_check``)."""
         if self.inputs_checked or not torch.is_grad_enabled():
             return
         self.inputs_checked = True

@@ -52,11 +52,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite.core import collectives
+from fsdp_lite.core import collectives, reduce
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.core.flat_param import FlatParam, PendingGrad
+from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.nested import tensors_in
+from fsdp_lite.core.reduce import PendingGrad
 from fsdp_lite.core.state import TrainingState, check_state
 
 _BACKWARD_STATES = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
@@ -202,7 +203,7 @@ class Unit:
             return None
         pending = None
         if self.sync_grads:
-            pending = flat.reduce_scatter_grad(self.reduce_dtype(flat))
+            pending = reduce.reduce_scatter(flat, self.reduce_dtype(flat))
         else:
             flat.accumulate_unsharded()
         self.grads_pending.discard(id(flat))

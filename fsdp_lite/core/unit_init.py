@@ -6,18 +6,10 @@ import weakref
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_lite.core import collectives, deferred_init, ownership
+from fsdp_lite.core import collectives, deferred_init, optimizer_check, ownership
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
-from fsdp_lite.core.flat_param import (
-    FlatParam,
-    ParamSlot,
-    cut_from,
-    master_dtype,
-    shard_ranks,
-    unaveraged,
-)
+from fsdp_lite.core.flat_param import FlatParam, ParamSlot, master_dtype
 from fsdp_lite.core.nested import cast_floats
 from fsdp_lite.core.tree import clean_named_modules, is_sharded, region_modules, unit_of
 from fsdp_lite.core.unit import Unit
@@ -79,10 +71,10 @@ def _check_param(name: str, p: nn.Parameter, owned: dict) -> None:
             "submodule by hand: use auto_wrap_policy, which keeps tied parameters in the "
             "lowest unit that contains every use, or wrap a common ancestor instead"
         )
-    earlier = _FLATTENED.get(id(p))
-    if earlier is not None and earlier[0]() is p:  # flattened by a unit outside this one
+    earlier = optimizer_check.flattened_as(p)
+    if earlier is not None:  # flattened by a unit outside this one
         raise ValueError(
-            f"parameter '{name}' is tied to '{earlier[1]}', which another unit (not nested "
+            f"parameter '{name}' is tied to '{earlier}', which another unit (not nested "
             "in this one) already sharded; a tied parameter must live in one unit. Wrap a "
             "common ancestor of every use instead, or let auto_wrap_policy place the tie"
         )
@@ -138,7 +130,7 @@ def _make_flat(
             delattr(sub, attr)
             sub.__dict__["_fsdp_lite_sharded_by"] = weakref.ref(unit)
     for slot, p in members:
-        _forget_original(p, slot.name)
+        optimizer_check.forget_original(p, slot.name)
     flat.use_placeholders()
     return flat
 
@@ -286,78 +278,3 @@ def install_fp32_modules(module: nn.Module, mp: MixedPrecision | None) -> None:
             sub.register_forward_hook(
                 lambda m, args, out, dtype=mp.param_dtype: cast_floats(out, dtype)
             )
-
-
-# -- originals after flattening ----------------------------------------------------
-# An optimizer built over the module's parameters *before* wrapping would step tensors
-# nothing uses any more: silently, no training. The originals are emptied (so they hold
-# no memory) and remembered, and every optimizer's first step checks it holds none.
-
-_FLATTENED: dict[int, tuple[weakref.ref, str]] = {}  # id(original) -> (ref, name)
-# Optimizers (by class name, along the class's MRO) that step whole matrices: they must
-# not see a partial piece of a parameter (use_orig_params without whole_params).
-MATRIX_OPTIMIZERS = frozenset({"Muon", "Shampoo", "DistributedShampoo", "SOAP"})
-_CHECKED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
-_hook_installed = False
-
-
-def live_ddp_modules() -> list[nn.Module]:
-    """Every ``DistributedDataParallel`` module alive in this process (a scan of the
-    garbage collector's objects: on an error path only)."""
-    import gc
-
-    return [o for o in gc.get_objects() if isinstance(o, nn.parallel.DistributedDataParallel)]
-
-
-def _forget_original(p: nn.Parameter, name: str) -> None:
-    global _hook_installed
-    if not _hook_installed:
-        register_optimizer_step_pre_hook(_check_optimizer)
-        _hook_installed = True
-    key = id(p)
-    _FLATTENED[key] = (weakref.ref(p, lambda _, key=key: _FLATTENED.pop(key, None)), name)
-    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    p.grad = None
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    """Before an optimizer's first step: refuse originals that were flattened, and plain
-    trainable parameters beside shards of a multi-rank unit (only blocks were wrapped):
-    nothing averages their gradients, so the ranks would silently drift apart."""
-    if optimizer in _CHECKED_OPTIMIZERS:
-        return
-    _CHECKED_OPTIMIZERS.add(optimizer)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for p in params:
-        entry = _FLATTENED.get(id(p))
-        if entry is not None and entry[0]() is p:
-            raise RuntimeError(
-                f"this {type(optimizer).__name__} holds '{entry[1]}', an original parameter "
-                "that fsdp_lite.FSDPModule flattened into a shard: it would step a tensor "
-                "nothing uses. Build the optimizer after wrapping, from model.parameters()"
-            )
-    cut = [p for p in params if cut_from(p) is not None]
-    matrix = [c.__name__ for c in type(optimizer).__mro__ if c.__name__ in MATRIX_OPTIMIZERS]
-    if cut and matrix:
-        raise RuntimeError(
-            f"this {type(optimizer).__name__} (a {matrix[0]}: it needs whole matrices) holds "
-            f"{len(cut)} piece(s) of parameters cut at numel/W (e.g. one of shape "
-            f"{tuple(cut_from(cut[0]))}, held here as {tuple(cut[0].shape)}): "
-            "use_orig_params shards each flat param evenly, across parameter boundaries. "
-            "Wrap with FSDPModule(..., whole_params=True): every rank then owns whole "
-            "parameters, shaped"
-        )
-    marks = [m for p in params if (m := shard_ranks(p)) is not None]
-    ranks = max((world * replicas for world, replicas in marks), default=1)
-    loose = [params[i] for i in unaveraged(params, [])] if ranks > 1 else []
-    if loose:  # the error path only: DDP modules may average them
-        loose = [loose[i] for i in unaveraged(loose, live_ddp_modules())]
-    if loose:
-        shapes = ", ".join(str(tuple(p.shape)) for p in loose[:4])
-        raise RuntimeError(
-            f"this {type(optimizer).__name__} holds {len(loose)} trainable parameter(s) of no "
-            f"fsdp_lite unit (shapes {shapes}{', ...' if len(loose) > 4 else ''}) beside "
-            f"shards averaged over {ranks} ranks: nothing averages those parameters' "
-            "gradients, so the ranks would silently diverge. Wrap the whole model -- "
-            "FSDPModule(model, auto_wrap_policy=...) still makes each block its own unit"
-        )

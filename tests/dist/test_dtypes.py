@@ -91,13 +91,13 @@ def _widened_in_pieces(rank: int, world: int) -> None:
 
     from cases import B_PER_RANK, gpt, gpt_run, token_batch, wrap_blocks
 
-    from fsdp_lite.core import flat_param
+    from fsdp_lite.core import reduce
     from fsdp_lite.testing.reference import compare_training
 
     mp = fsdp_lite.MixedPrecision(param_dtype=bf16, reduce_dtype=f32)
     grads, calls = {}, {}
-    for piece_bytes in (flat_param.WIDEN_PIECE_BYTES, 4096):
-        flat_param.WIDEN_PIECE_BYTES, saved = piece_bytes, flat_param.WIDEN_PIECE_BYTES
+    for piece_bytes in (reduce.WIDEN_PIECE_BYTES, 4096):
+        reduce.WIDEN_PIECE_BYTES, saved = piece_bytes, reduce.WIDEN_PIECE_BYTES
         try:
             torch.manual_seed(0)
             model = wrap_blocks(gpt(), mixed_precision=mp)
@@ -112,10 +112,10 @@ def _widened_in_pieces(rank: int, world: int) -> None:
                 wrap = functools.partial(wrap_blocks, mixed_precision=mp)
                 compare_training(gpt_run("widened in pieces", world, "bf16", wrap=wrap))
         finally:
-            flat_param.WIDEN_PIECE_BYTES = saved
+            reduce.WIDEN_PIECE_BYTES = saved
     whole, pieces = grads.values()
     assert all(torch.equal(a, b) for a, b in zip(whole, pieces, strict=True))
-    assert calls[4096] > 2 * calls[flat_param.WIDEN_PIECE_BYTES], calls
+    assert calls[4096] > 2 * calls[reduce.WIDEN_PIECE_BYTES], calls
 
 
 def test_widened_reduce_in_pieces() -> None:

@@ -212,7 +212,7 @@ def _two_models_case(read_stats: bool) -> Callable[[], None]:
         for _ in range(2):
             torch.manual_seed(0)
             mp = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16)
-            model = wrap_blocks(gpt(n_layer=3), mixed_precision=mp, whole_params=True)
+            model = wrap_blocks(gpt(n_layer=3), mixed_precision=mp, optimizer_params="whole")
             pairs.append((model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
         rank, world = dist.get_rank(), dist.get_world_size()
         batches = [tuple(t.chunk(world)[rank] for t in token_batch(world, i)) for i in range(6)]

@@ -12,6 +12,7 @@ from torch import nn
 
 import fsdp_lite
 from fsdp_lite.testing import run_distributed
+from fsdp_lite.core import reduce
 from fsdp_lite.core.tree import units_of
 
 TINY = 2**-24  # fp16's smallest subnormal
@@ -40,7 +41,7 @@ def _fp16_reduce_splits_the_division(rank: int, world: int) -> None:
     (flat,) = units_of(model)[0].flat_params
     flat.unshard()
     flat.full.grad = _rank_grad(rank, flat.padded_numel)
-    pending = flat.reduce_scatter_grad(torch.float16)
+    pending = reduce.reduce_scatter(flat, torch.float16)
     pending.finish()
     want = _reference(world, flat.padded_numel).chunk(world)[rank]
     got = flat.shard.grad

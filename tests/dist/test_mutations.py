@@ -38,6 +38,7 @@ from torch import nn
 
 import fsdp_lite
 from fsdp_lite.core import collectives
+from fsdp_lite.core import reduce as reduce_module
 from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.tree import units_of
 from fsdp_lite.testing import run_distributed
@@ -100,18 +101,18 @@ def mixed_units(model: nn.Module, ref: nn.Module) -> None:
 
 @contextlib.contextmanager
 def patched_reduce(reduce: Callable, on: Callable[[FlatParam], bool]) -> Iterator[list]:
-    """Replace ``FlatParam.reduce_scatter_grad`` by ``reduce(original, flat, dtype)``
-    for the flat params ``on`` selects."""
+    """Replace ``reduce.reduce_scatter`` by ``reduce(original, flat, dtype)`` for the flat
+    params ``on`` selects."""
     hits: list = []
-    original = FlatParam.reduce_scatter_grad
+    original = reduce_module.reduce_scatter
 
-    def mutant(self, reduce_dtype):
-        if not on(self):
-            return original(self, reduce_dtype)
+    def mutant(flat, reduce_dtype):
+        if not on(flat):
+            return original(flat, reduce_dtype)
         hits.append(1)
-        return reduce(original, self, reduce_dtype)
+        return reduce(original, flat, reduce_dtype)
 
-    with mock.patch.object(FlatParam, "reduce_scatter_grad", mutant):
+    with mock.patch.object(reduce_module, "reduce_scatter", mutant):
         yield hits
 
 

@@ -60,7 +60,7 @@ class Case:
     prefetch: int | None = 2  # PrefetchPolicy.max_in_flight; None: no prefetching
     batch: tuple[int, int] = (2, 64)  # (micro-batch, sequence length)
     ends: bool = False  # the embedding and the head as units of their own
-    # whole_params=True: estimated for the rank owning the most, which is rank 0 (the
+    # optimizer_params="whole": estimated for the rank owning the most, which is rank 0 (the
     # largest parameter's) in these cases: the rank a fake-PG worker measures.
     whole: bool = False
 

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp_lite import FSDPModule
 from fsdp_lite.core import wrap
-from fsdp_lite.core.flat_param import FreedParameter
+from fsdp_lite.core.freed import FreedParameter
 from fsdp_lite.testing import GPT, GPTConfig, run_distributed
 from fsdp_lite.testing.models import Block
 from fsdp_lite.testing.reference import compare_training

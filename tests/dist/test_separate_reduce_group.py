@@ -75,7 +75,7 @@ def test_separate_reduce_scatter_group_matches_reference(world: int) -> None:
 
 
 def _lifetime(world: int) -> list:
-    whole = functools.partial(_separate, whole_params=True)
+    whole = functools.partial(_separate, optimizer_params="whole")
     return [
         gpt_run("separate RS group", world, wrap=_separate),
         gpt_run("separate RS group, whole params", world, wrap=whole),

@@ -74,10 +74,10 @@ def _policy_and_reference() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     refs = [gpt(), gpt(n_layer=3)]
-    policy = wrap_blocks(copy.deepcopy(refs[0]), whole_params=True)
+    policy = wrap_blocks(copy.deepcopy(refs[0]), optimizer_params="whole")
     bounds = [f.bounds for u in units_of(policy) for f in u.flat_params]
     other_group = dist.new_group(list(range(world)))
-    reference = wrap_blocks(copy.deepcopy(refs[1]), whole_params=True, process_group=other_group)
+    reference = wrap_blocks(copy.deepcopy(refs[1]), optimizer_params="whole", process_group=other_group)
     assert [f.bounds for u in units_of(policy) for f in u.flat_params] == bounds
     models = [policy, reference]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]

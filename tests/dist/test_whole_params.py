@@ -3,7 +3,7 @@
 ``use_orig_params=True``: ``named_parameters()`` yields this rank's piece of each
 original parameter under its name, so per-parameter groups (no weight decay for biases,
 norms and embeddings) train equal to the same groups on one process.
-``whole_params=True``: each rank owns whole original parameters, shaped, so
+``optimizer_params="whole"``: each rank owns whole original parameters, shaped, so
 ``torch.optim.Muon`` steps its matrices unchanged. Every case against the single-process
 reference: groups, Muon (fp32, bf16) and HF Llama at W=2 and W=3; the compositions (clip,
 no_sync, checkpointing, offload, ties, frozen, hand-wrapped, meta-built, empty shards) at
@@ -97,10 +97,10 @@ def _llama_runs(world: int) -> list:
     bf16 = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16)
     return [
         hf_run(f"llama muon, whole params W={world}", world, llama, optimizers=llama_muon,
-               wrap=functools.partial(wrap_llama, whole_params=True)),
+               wrap=functools.partial(wrap_llama, optimizer_params="whole")),
         hf_run(f"llama muon, whole params W={world}", world, llama, "bf16",
                optimizers=llama_muon,
-               wrap=functools.partial(wrap_llama, whole_params=True, mixed_precision=bf16)),
+               wrap=functools.partial(wrap_llama, optimizer_params="whole", mixed_precision=bf16)),
         hf_run(f"llama decay groups, default layout W={world}", world,
                functools.partial(llama, tie=True), optimizers=decay_groups,
                wrap=functools.partial(wrap_llama, use_orig_params=True)),
@@ -110,10 +110,10 @@ def _llama_runs(world: int) -> list:
 def _runs(world: int, tmp: str) -> list:
     dropout_gpt = functools.partial(gpt, dropout=0.1)
     orig = functools.partial(wrap_blocks, use_orig_params=True)
-    whole = functools.partial(wrap_blocks, whole_params=True)
+    whole = functools.partial(wrap_blocks, optimizer_params="whole")
     whole_bf16 = functools.partial(
         wrap_blocks,
-        whole_params=True,
+        optimizer_params="whole",
         mixed_precision=fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16),
     )
     core = [
@@ -130,18 +130,18 @@ def _runs(world: int, tmp: str) -> list:
         gpt_run("muon, whole params, no_sync", world, wrap=whole, optimizers=muon_and_adamw,
                 accumulate=2),
         gpt_run("muon, whole params, by hand", world,
-                wrap=functools.partial(wrap_by_hand, whole_params=True),
+                wrap=functools.partial(wrap_by_hand, optimizer_params="whole"),
                 optimizers=muon_and_adamw),
         gpt_run("muon, whole params, cross-unit tie", world, wrap=whole,
                 make_model=cross_tied_gpt, optimizers=muon_and_adamw),
         gpt_run("muon, whole params, checkpointed blocks", world, make_model=dropout_gpt,
-                wrap=functools.partial(unit_outside, reentrant=False, whole_params=True),
+                wrap=functools.partial(unit_outside, reentrant=False, optimizer_params="whole"),
                 optimizers=muon_and_adamw, replay_rng=True),
         gpt_run("decay groups, default layout, checkpoint wrapper outside", world,
                 wrap=functools.partial(unit_inside, reentrant=False, use_orig_params=True),
                 optimizers=decay_groups),
         gpt_run("muon, whole params, CPU offload", world, optimizers=muon_and_adamw,
-                wrap=functools.partial(wrap_blocks, whole_params=True,
+                wrap=functools.partial(wrap_blocks, optimizer_params="whole",
                                        offload=fsdp_lite.CPUOffload())),
         gpt_run("decay groups, default layout, SSD offload", world, optimizers=decay_groups,
                 wrap=functools.partial(wrap_blocks, use_orig_params=True,
@@ -149,13 +149,13 @@ def _runs(world: int, tmp: str) -> list:
         gpt_run("muon, whole params, frozen params", world, make_model=frozen_gpt,
                 wrap=whole, optimizers=muon_and_adamw),
         gpt_run("muon, whole params", world, raf=False, optimizers=muon_and_adamw,
-                wrap=functools.partial(wrap_blocks, whole_params=True,
+                wrap=functools.partial(wrap_blocks, optimizer_params="whole",
                                        reshard_after_forward=False)),
         gpt_run("muon, whole params, norms as units (a rank owns none of each)", world,
-                wrap=functools.partial(wrap_blocks_and_norms, whole_params=True),
+                wrap=functools.partial(wrap_blocks_and_norms, optimizer_params="whole"),
                 optimizers=muon_and_adamw, clip=0.05, accumulate=2),
         gpt_run("muon, whole params, norms as units, SSD offload", world,
-                wrap=functools.partial(wrap_blocks_and_norms, whole_params=True,
+                wrap=functools.partial(wrap_blocks_and_norms, optimizer_params="whole",
                                        offload=fsdp_lite.SSDOffload(tmp + "/norms")),
                 optimizers=muon_and_adamw),
         gpt_run("decay groups, whole params, fused AdamW", world, wrap=whole,
@@ -163,7 +163,7 @@ def _runs(world: int, tmp: str) -> list:
         gpt_run("decay groups, default layout, foreach AdamW", world, wrap=orig,
                 optimizers=functools.partial(decay_groups, foreach=True)),
         gpt_run("muon, whole params, meta-built", world, optimizers=muon_and_adamw,
-                wrap=lambda _ignored: wrap_blocks(_meta(gpt, seed=1234), whole_params=True)),
+                wrap=lambda _ignored: wrap_blocks(_meta(gpt, seed=1234), optimizer_params="whole")),
         gpt_run("muon, whole params, untied, 5 blocks", world, wrap=whole,
                 make_model=functools.partial(gpt, n_layer=5, tie_weights=False),
                 optimizers=muon_and_adamw),
@@ -178,7 +178,7 @@ def _train(rank: int, world: int, tmp: str) -> dict:
     finally:
         torch.optim._muon._zeropower_via_newtonschulz = stock
     stock_ns = gpt_run("muon, whole params, torch's bf16 Newton-Schulz", world, "bf16",
-                       wrap=functools.partial(wrap_blocks, whole_params=True),
+                       wrap=functools.partial(wrap_blocks, optimizer_params="whole"),
                        optimizers=muon_and_adamw)  # fmt: skip
     return {**results, **compare_runs([stock_ns])}
 
@@ -194,13 +194,13 @@ def test_trains_like_reference(world, tmp_path):
 def _names_and_refusals(rank: int, world: int) -> dict:
     def names_are_the_reference_names():
         ref = dict(gpt().named_parameters())
-        for kw in ({"use_orig_params": True}, {"whole_params": True}):
+        for kw in ({"use_orig_params": True}, {"optimizer_params": "whole"}):
             model = wrap_blocks(gpt(), **kw)
             mine = {n: tuple(p.shape) for n, p in model.named_parameters()}
             everyone = collectives.all_gather_object(mine, dist.group.WORLD)
             union = set().union(*everyone)
             assert union == set(ref), (kw, sorted(union ^ set(ref)))
-            if "whole_params" in kw:  # each parameter on one rank, whole and shaped
+            if "optimizer_params" in kw:  # each parameter on one rank, whole and shaped
                 assert sum(len(e) for e in everyone) == len(ref)
                 assert all(s == tuple(ref[n].shape) for n, s in mine.items())
             # attribute access still reaches the module, not this rank's piece
@@ -212,11 +212,11 @@ def _names_and_refusals(rank: int, world: int) -> dict:
         opt = torch.optim.Muon(mats, lr=0.02)
         x, y = token_batch(world, 0)
         model(x.chunk(world)[rank], y.chunk(world)[rank])[1].backward()
-        with pytest.raises(RuntimeError, match="whole_params=True"):
+        with pytest.raises(RuntimeError, match="optimizer_params="whole""):
             opt.step()
 
     def empty_shards_when_a_unit_has_fewer_parameters_than_ranks():
-        model = wrap_blocks_and_norms(gpt(), whole_params=True)
+        model = wrap_blocks_and_norms(gpt(), optimizer_params="whole")
         flats = [f for u in units_of(model) for f in u.flat_params]
         empty = [f for f in flats for r in range(world) if f.bounds[r] == f.bounds[r + 1]]
         assert world < 3 or empty, "at W=3 a LayerNorm unit (2 parameters) leaves a rank none"
@@ -227,7 +227,7 @@ def _names_and_refusals(rank: int, world: int) -> dict:
         values); set_to_none=False zeroes them in place; an assigned grad is added to; a
         grad set to None stays None through clipping; requires_grad turned off after
         wrapping: no grad, so no optimizer steps it."""
-        model = wrap_blocks(gpt(), whole_params=True)
+        model = wrap_blocks(gpt(), optimizer_params="whole")
         params = list(model.parameters())
         x, y = (t.chunk(world)[rank] for t in token_batch(world, 0))
         model(x, y)[1].backward()
@@ -257,7 +257,7 @@ def _names_and_refusals(rank: int, world: int) -> dict:
     def scaler_unscales_and_agrees_on_overflow():
         """ShardedGradScaler over orig params: unscale_ gives the unscaled grads; an inf in
         one rank's piece makes every rank skip the step."""
-        model = wrap_blocks(gpt(), whole_params=True)
+        model = wrap_blocks(gpt(), optimizer_params="whole")
         params = list(model.parameters())
         opt = decay_groups(model)[0]
         scaler = fsdp_lite.ShardedGradScaler("cpu", init_scale=2.0**10)
@@ -284,7 +284,7 @@ def _names_and_refusals(rank: int, world: int) -> dict:
         """Inside summon_full_params the full parameters replace this rank's pieces under
         the same names; an edit written back reaches the owner's piece."""
         ref = gpt()
-        model = wrap_blocks(copy.deepcopy(ref), whole_params=True)
+        model = wrap_blocks(copy.deepcopy(ref), optimizer_params="whole")
         with model.summon_full_params():
             full = dict(model.named_parameters())
             assert {n: p.shape for n, p in full.items()} == {
@@ -317,7 +317,7 @@ def layout_figures(world: int, n_layer: int = 8) -> dict:
     """One step of an ``n_layer`` GPT in each layout on a fake process group of ``world``
     ranks: collective calls and bytes, and each rank's owned bytes (whole params)."""
     figures = {}
-    for kw in ({}, {"whole_params": True}):
+    for kw in ({}, {"optimizer_params": "whole"}):
         model = wrap_blocks(gpt(n_layer=n_layer, tie_weights=False), **kw)
         x, y = token_batch(1, 0)
         fsdp_lite.reset_stats()

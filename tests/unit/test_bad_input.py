@@ -222,3 +222,24 @@ def test_shared_module_inside_one_hand_wrapped_unit_is_fine(world1) -> None:
     model = fsdp_lite.FSDPModule(m)
     model(torch.randn(3, 4)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_optimizer_params_one_option(world1) -> None:
+    """One option says what the optimizer sees; the older booleans map onto it, and a
+    contradiction or an unknown value is refused before the module changes."""
+    names = {}
+    for kw in ({}, {"use_orig_params": True}, {"whole_params": True},
+               {"optimizer_params": "pieces"}, {"optimizer_params": "whole"}):  # fmt: skip
+        model = fsdp_lite.FSDPModule(nn.Linear(2, 2), **kw)
+        names[str(kw)] = sorted(n for n, _ in model.named_parameters())
+    assert names["{}"] == ["flat_param_0"], names
+    orig = ["bias", "weight"]
+    assert all(v == orig for k, v in names.items() if k != "{}"), names
+    for kw, match in (
+        ({"optimizer_params": "flat", "use_orig_params": True}, "contradicts use_orig_params"),
+        ({"optimizer_params": "orig"}, r"one of \('flat', 'pieces', 'whole'\)"),
+    ):
+        inner = nn.Linear(2, 2)
+        with pytest.raises(ValueError, match=match):
+            fsdp_lite.FSDPModule(inner, **kw)
+        assert isinstance(inner.weight, nn.Parameter) and inner.weight.numel() == 4

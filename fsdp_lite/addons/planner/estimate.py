@@ -41,7 +41,7 @@ from fsdp_lite.addons.offload import CPUOffload, SSDOffload
 from fsdp_lite.addons.planner.layout import UnitLayout, layout_units, own_whole_params
 from fsdp_lite.addons.planner.replay import TERMS, ReplayConfig, replay
 from fsdp_lite.addons.planner.trace import StepTrace, trace_step
-from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
+from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy, resolve_optimizer_params
 from fsdp_lite.core.nested import tensors_in
 from fsdp_lite.core.wrap import Policy
 
@@ -99,13 +99,13 @@ class Plan:
     budget_bytes: int
     auto_wrap_policy: Policy | None = None
     mixed_precision: MixedPrecision | None = None
-    whole_params: bool = False
+    optimizer_params: str = "flat"
 
     def fsdp_kwargs(self) -> dict[str, Any]:
         return {
             "auto_wrap_policy": self.auto_wrap_policy,
             "mixed_precision": self.mixed_precision,
-            "whole_params": self.whole_params,
+            "optimizer_params": self.optimizer_params,
             "reshard_after_forward": self.reshard_after_forward,
             "prefetch": self.prefetch,
             "offload": self.offload,
@@ -151,6 +151,7 @@ def estimate_memory(
     prefetch: PrefetchPolicy | None = PrefetchPolicy(),  # noqa: B008 - frozen, as FSDPModule's
     device: torch.device | str | None = None,
     backend: str | None = None,
+    optimizer_params: str | None = None,
     whole_params: bool = False,
 ) -> MemoryEstimate:
     """Predict one rank's peak tensor memory over a steady-state training step.
@@ -174,11 +175,12 @@ def estimate_memory(
         backend: the process group's backend: ``"nccl"``/``"gloo"`` keep a buffer for the
             reduce-scatter in flight, ``"fake"`` (torch's fake process group, for tests)
             keeps nothing. Default: nccl on CUDA, gloo on the CPU.
-        whole_params: as ``FSDPModule`` takes it; the estimate is then for the rank that
-            owns the most bytes (``owned_imbalance``).
+        optimizer_params, whole_params: as ``FSDPModule`` takes them; with ``"whole"`` the
+            estimate is for the rank that owns the most bytes (``owned_imbalance``).
     """
+    view = resolve_optimizer_params(optimizer_params, whole_params=whole_params)
     planner = _Planner(model, example_inputs, world_size, auto_wrap_policy, mixed_precision,
-                       optimizer, loss_fn, device, backend, whole_params)  # fmt: skip
+                       optimizer, loss_fn, device, backend, view)  # fmt: skip
     return planner.estimate(activation_checkpointing, reshard_after_forward, offload, prefetch)
 
 
@@ -209,7 +211,9 @@ def plan(
         kwargs.pop("loss_fn", None),
         kwargs.pop("device", None),
         kwargs.pop("backend", None),
-        kwargs.pop("whole_params", False),
+        resolve_optimizer_params(
+            kwargs.pop("optimizer_params", None), whole_params=kwargs.pop("whole_params", False)
+        ),
     )
     if kwargs:
         raise TypeError(f"plan() got unexpected keyword arguments {sorted(kwargs)}")
@@ -220,7 +224,7 @@ def plan(
             return Plan(
                 settings["reshard_after_forward"], settings["activation_checkpointing"],
                 settings["offload"], settings["prefetch"], est, budget_bytes, planner.policy,
-                planner.mp, planner.whole_params,
+                planner.mp, planner.optimizer_params,
             )  # fmt: skip
         if smallest is None or est.peak_bytes < smallest[0].peak_bytes:
             smallest = (est, settings)
@@ -297,7 +301,7 @@ class _Planner:
         loss_fn: Callable[[Any], torch.Tensor] | None,
         device: torch.device | str | None,
         backend: str | None,
-        whole_params: bool = False,
+        optimizer_params: str = "flat",
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -310,9 +314,10 @@ class _Planner:
         self.loss_fn = loss_fn or default_loss
         self.device = _device(device)
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        whole_params = optimizer_params == "whole"
         self.comm_keeps = _comm_keeps(backend, world_size, whole_params)
         self.units: list[UnitLayout] = layout_units(model, world_size, policy, mp)
-        self.whole_params = whole_params
+        self.optimizer_params = optimizer_params
         self.imbalance = own_whole_params(model, self.units, world_size) if whole_params else 1.0
         self._traces: dict[Any, StepTrace] = {}
 

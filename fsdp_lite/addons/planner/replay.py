@@ -9,7 +9,7 @@ Each term is one named line of the breakdown, each following one place of the co
 - ``buffers``: the model's buffers on the compute device (``prepare_buffers``).
 - ``gathered_units``: full buffers allocated now (``FlatParam.unshard`` .. ``reshard``):
   the running unit's, the prefetched ones' (``PrefetchPolicy``) and, by default, the root's,
-  kept from forward (``keeps_full_after_forward``).
+  kept from forward (``schedule.build``).
 - ``gather_buffers``: the shard cast to the compute dtype that an all-gather sends, kept
   until the gather is waited for (``FlatParam._gather_send``).
 - ``full_gradients``: (traced) a unit's parameter gradients in the compute dtype until
@@ -42,7 +42,7 @@ import torch
 from fsdp_lite.addons.planner.layout import FlatLayout, UnitLayout
 from fsdp_lite.addons.planner.storage import CATEGORIES, Mark
 from fsdp_lite.addons.planner.trace import StepTrace
-from fsdp_lite.core import flat_param, schedule
+from fsdp_lite.core import reduce, schedule
 from fsdp_lite.core.api import PrefetchPolicy
 
 TERMS = (
@@ -104,6 +104,12 @@ class _Replay:
         self.forward_order: list[int] = []  # units whose forward ran in this pass
         self.recorded_forward = [m.unit for m in _firsts(trace.marks, "pre_forward")]
         self.backward_order = [m.unit for m in _firsts(trace.marks, "pre_backward")]
+        # The step's schedule for the traced orders, built as the root builds it.
+        root = next(i for i, u in enumerate(units) if u.is_root)
+        self.schedule = schedule.build(
+            range(len(units)), root, lambda u: cfg.reshard_after_forward,
+            self.recorded_forward, self.backward_order, cfg.prefetch,
+        )  # fmt: skip
         self.started: set[int] = set()  # units whose backward began
         self.reduced: set[tuple[int, int]] = set()
         self.peak = Peak()
@@ -184,7 +190,7 @@ def _apply(r: _Replay, mark: Mark, name: str) -> str:
     if kind == "post_forward":
         if not _keeps_full(r, unit):
             r._reshard(unit)
-        if r.units[unit].is_root:  # end_of_root_forward: drop unused prefetches
+        if r.units[unit].is_root:  # Root._end_forward: drop unused prefetches
             for other in [u for u in r.sends if u not in r.forward_order]:
                 r._reshard(other)
                 del r.sends[other]
@@ -217,14 +223,11 @@ def _pre_backward(r: _Replay, mark: Mark) -> None:
 
 
 def _prefetch(r: _Replay, unit: int, order: list[int], backward: bool) -> None:
-    """``Unit.unshard_with_prefetch``: gather the units ``schedule`` picks after ``unit``
-    in ``order``, each send buffer held until its unit waits."""
-    for other in schedule.prefetch_targets(order, order.index(unit), r.cfg.prefetch, backward):
-        if schedule.skips_prefetch(
-            backward=backward,
-            from_root=r.units[unit].is_root,
-            target_started=other in r.started,
-        ):
+    """``Root._unshard``: gather the units the schedule prefetches at ``unit``'s position
+    in ``order`` (in backward, not one whose backward began), each send buffer held until
+    its unit waits."""
+    for other in r.schedule.prefetches(order.index(unit), backward):
+        if backward and other in r.started:
             continue
         send = r._gather(other)
         if send:
@@ -232,23 +235,21 @@ def _prefetch(r: _Replay, unit: int, order: list[int], backward: bool) -> None:
 
 
 def _keeps_full(r: _Replay, unit: int) -> bool:
-    """``Unit.keeps_full_after_forward`` in the steady state (orders recorded, on track)."""
-    return schedule.keeps_full_after_forward(
-        reshard_after_forward=r.cfg.reshard_after_forward, is_root=r.units[unit].is_root
-    )
+    """Does ``unit`` keep its full parameters after forward (the steady state's schedule)?"""
+    return unit in r.schedule.keeps_full
 
 
 def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
     """``Unit.post_backward``: the full buffer freed first, then the gradient (cast to the
-    reduce dtype, in pieces where it widens: ``FlatParam.reduce_scatter_grad``)."""
+    reduce dtype, in pieces where it widens: ``reduce.reduce_scatter``)."""
     flat = r._flat(mark.unit, mark.flat)
     reduce_dtype = r._reduce_dtype(flat)
     r.gathered.discard((mark.unit, mark.flat))
     r.held = 0  # wait_previous_reduce_scatter
     out = flat.shard_numel * reduce_dtype.itemsize
     wide = flat.padded_numel * reduce_dtype.itemsize
-    pieces = flat_param.widening_pieces(flat.padded_numel, flat.compute_dtype, reduce_dtype)
-    pieces = 1 if flat.rank_numel is not None else pieces  # whole params: never in pieces
+    even = flat.rank_numel is None  # whole params: per-rank sizes
+    pieces = reduce.reduce_pieces(flat.padded_numel, flat.compute_dtype, reduce_dtype, even)
     keeps = r.cfg.comm_keeps
     kept = (wide if pieces == 1 else 0) if keeps != "none" else 0
     copy = kept if keeps == "copy" else 0  # beside the input
