@@ -1,12 +1,8 @@
 """Offload homes for shards and shard grads: CPU memory, or files (the compute device's,
 the default, is ``home.DeviceHome``).
 
-A unit talks to its flat params' home at five points only: once at wrap time
-(``place``), before each gather (``shard_for_gather`` / ``after_gather``), after each
-reduce-scatter (``accumulate_grad``), and at the end of the root's forward and of backward
-(``end_of_forward`` / ``end_of_backward``); host writes outside the step
-(``before_host_write``) and ``offload_optimizer_state``'s optimizer step come from outside.
-Each home is one small class.
+Each home is one small class overriding ``DeviceHome``'s methods (listed, with who calls
+them, in ``core/home.py``).
 
 [Note: SSD homes are memory-mapped]
 An SSD home keeps each shard, shard grad and (optionally) optimizer moment in a file

@@ -1,8 +1,18 @@
 """Where a flat param's shard and shard grad live between uses. The default home, the
 compute device, is here; the offload homes (CPU memory, files) extend it in
-``addons/offload.py``. The points a unit calls a home at are listed there. A home is
-handed the shard ``nn.Parameter`` itself (whose ``.data`` it may move, never the object)
-and knows nothing of flat params."""
+``addons/offload.py``. A home is handed the shard ``nn.Parameter`` itself (whose
+``.data`` it may move, never the object) and knows nothing of flat params.
+
+Its eight methods, and who calls them:
+
+    place               the flat param, once at wrap time
+    shard_for_gather    the flat param, before each gather (``after_gather`` once done)
+    accumulate_grad     the flat param, with each reduced shard grad
+    end_of_forward      the root, when its forward ends (the optimizer may write next)
+    end_of_backward     the root, when backward ends
+    before_host_write   whatever writes a shard from the host (a load, a summon writeback)
+    release             the offloaded optimizer's step (``offload_optimizer_state``)
+"""
 
 from __future__ import annotations
 

@@ -212,7 +212,7 @@ def _names_and_refusals(rank: int, world: int) -> dict:
         opt = torch.optim.Muon(mats, lr=0.02)
         x, y = token_batch(world, 0)
         model(x.chunk(world)[rank], y.chunk(world)[rank])[1].backward()
-        with pytest.raises(RuntimeError, match="optimizer_params="whole""):
+        with pytest.raises(RuntimeError, match="optimizer_params='whole'"):
             opt.step()
 
     def empty_shards_when_a_unit_has_fewer_parameters_than_ranks():
