@@ -16,29 +16,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
-import platform
-import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.multiprocessing as mp
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # measure this checkout's fsdp_lite
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_measure as bm  # noqa: E402
 from bench_systems import PRECISIONS, SYSTEMS, BenchConfig, rank_main  # noqa: E402
 
 from fsdp_lite.testing.models import GPT  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-MIB = 2**20
+MARKERS = "<!-- bench:begin -->", "<!-- bench:end -->"
 COLUMNS = (
     "system", "ms/step", "vs FSDP2", "CPU ms/step", "vs FSDP2", "tokens/s", "peak MiB",
     "vs FSDP2", "resident MiB", "RSS MiB", "vs FSDP2", "comm MiB/step", "vs FSDP2",
@@ -48,9 +40,7 @@ RATIO_KEYS = ("median_step_s", "median_cpu_s", "peak_bytes", "rss_peak_bytes", "
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bm.make_parser(__doc__)
     p.add_argument(
         "--systems", default=",".join(SYSTEMS), help="comma-separated subset of %(default)s"
     )
@@ -63,22 +53,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--threads", type=int, default=None, help="torch threads per rank (default: cores // W)"
     )
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=1234)
+    bm.add_config_args(
+        p, BenchConfig(), ("layers", "dim", "heads", "seq", "batch", "vocab", "seed"),
+        helps={"batch": "sequences per rank per step"},
+    )  # fmt: skip
     p.add_argument(
         "--checkpoint", action="store_true", help="activation-checkpoint every block (all systems)"
     )
-    p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md", help="markdown report")
-    p.add_argument("--json", type=Path, default=None, help="raw results (default: next to --out)")
-    p.add_argument("--no-write", action="store_true", help="print the table, write nothing")
+    bm.add_output_args(p, json_default=None)
     args = p.parse_args(argv)
-    args.systems = _choices(args.systems, SYSTEMS, "--systems")
-    args.precisions = _choices(args.precisions, PRECISIONS, "--precisions")
+    args.systems = bm.pick(args.systems, SYSTEMS, "--systems")
+    args.precisions = bm.pick(args.precisions, PRECISIONS, "--precisions")
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.world_size)
     if args.json is None:
@@ -88,22 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _choices(value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    picked = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [v for v in picked if v not in allowed]
-    if bad or not picked:
-        raise SystemExit(f"{flag}: unknown {bad or value!r}; choose from {', '.join(allowed)}")
-    return picked
-
-
 def run_case(system: str, precision: str, cfg: BenchConfig, world: int) -> list[dict[str, Any]]:
-    """Spawn ``world`` fresh ranks for one case; return each rank's result."""
-    with tempfile.TemporaryDirectory(prefix="fsdp_bench_") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(
-            rank_main, args=(world, system, precision, cfg, init_file, tmp), nprocs=world, join=True
-        )
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    """``world`` fresh ranks for one case; each rank's result."""
+    return bm.spawn_ranks(
+        rank_main, world, system, precision, cfg,
+        cuda=bm.use_cuda(world), threads=cfg.threads, timeout_s=cfg.timeout_s,
+    )  # fmt: skip
 
 
 def run_all(args: argparse.Namespace, cfg: BenchConfig) -> dict[str, dict[str, dict]]:
@@ -113,9 +88,8 @@ def run_all(args: argparse.Namespace, cfg: BenchConfig) -> dict[str, dict[str, d
     slower than the same system run second (fsdp_lite vs fsdp_lite-nocheck, both orders)."""
     raw: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rnd in range(args.rounds):
-        turn = rnd % len(args.systems)
         for precision in args.precisions:
-            for system in args.systems[turn:] + args.systems[:turn]:
+            for system in bm.round_order(args.systems, rnd):
                 print(
                     f"[bench] round {rnd + 1}/{args.rounds}: {system} {precision} ...", flush=True
                 )
@@ -126,7 +100,7 @@ def run_all(args: argparse.Namespace, cfg: BenchConfig) -> dict[str, dict[str, d
                         old["step_cpu_s"] += new["step_cpu_s"]
                 else:
                     raw[system, precision] = ranks
-                ms = statistics.median(slowest_rank_times(ranks)) * 1e3
+                ms = statistics.median(bm.slowest_per_step(r["step_times_s"] for r in ranks)) * 1e3
                 print(f"[bench]   {ms:.1f} ms/step, loss@0 {ranks[0]['losses'][0]:.6f}")
     results: dict[str, dict[str, dict]] = {}
     for precision in args.precisions:
@@ -136,22 +110,15 @@ def run_all(args: argparse.Namespace, cfg: BenchConfig) -> dict[str, dict[str, d
     return results
 
 
-def slowest_rank_times(ranks: list[dict[str, Any]]) -> list[float]:
-    """Per step, the slowest rank's time: a step is done when every rank is."""
-    return [max(ts) for ts in zip(*(r["step_times_s"] for r in ranks), strict=True)]
-
-
 def summarize(ranks: list[dict[str, Any]], cfg: BenchConfig, world: int) -> dict[str, Any]:
     """One case's figures from its ranks: the slowest rank per step, the largest memory."""
-    per_step = slowest_rank_times(ranks)
+    per_step = bm.slowest_per_step(r["step_times_s"] for r in ranks)
     median = statistics.median(per_step)
     comm = [sum(c["wire_bytes"] for c in r["comm_per_step"].values()) for r in ranks]
     return {
         "median_step_s": median,
         "min_step_s": min(per_step),
-        "median_cpu_s": statistics.median(
-            max(ts) for ts in zip(*(r["step_cpu_s"] for r in ranks), strict=True)
-        ),
+        "median_cpu_s": statistics.median(bm.slowest_per_step(r["step_cpu_s"] for r in ranks)),
         "tokens_per_s": world * cfg.batch * cfg.seq / median,
         "peak_bytes": max(r["memory"]["peak_bytes"] for r in ranks),
         "resident_bytes": max(r["memory"]["resident_bytes"] for r in ranks),
@@ -171,52 +138,12 @@ def zero3_floor(num_params: int, precision: str, world: int) -> float:
     return (world - 1) / world * num_params * (2 * compute + 4)
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    with open("/proc/cpuinfo") as f:
-        names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-    cpu = names[0] if names else cpu
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "load_avg": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
-def _count_params(cfg: BenchConfig) -> int:
-    """Ψ: the model's parameters, a tied weight counted once."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in GPT(cfg.gpt_config()).parameters())
-
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return "?"
-
-
-def _ratio(x: float, ref: float | None) -> str:
-    return f"{x / ref:.2f}x" if ref else "-"
-
-
 def table(precision: str, results: dict[str, dict], floor: float) -> list[str]:
     """Markdown rows for one precision; ratios against FSDP2 when it ran."""
     ref = results.get("fsdp2")
-    rows = [
-        f"**{precision}** — ZeRO-3 floor {floor / MIB:.2f} MiB/step/rank",
-        "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|---|" + "---:|" * (len(COLUMNS) - 1),
-    ]
+    rows = []
     for system, r in results.items():
-        vs = {k: _ratio(r[k], ref[k] if ref else None) for k in RATIO_KEYS}
+        vs = {k: bm.ratio(r[k], ref[k] if ref else None) for k in RATIO_KEYS}
         cells = [
             system,
             f"{r['median_step_s'] * 1e3:.1f}",
@@ -224,19 +151,20 @@ def table(precision: str, results: dict[str, dict], floor: float) -> list[str]:
             f"{r['median_cpu_s'] * 1e3:.0f}",
             vs["median_cpu_s"],
             f"{r['tokens_per_s']:,.0f}",
-            f"{r['peak_bytes'] / MIB:.1f}",
+            f"{r['peak_bytes'] / bm.MIB:.1f}",
             vs["peak_bytes"],
-            f"{r['resident_bytes'] / MIB:.1f}",
-            f"{r['rss_peak_bytes'] / MIB:.0f}",
+            f"{r['resident_bytes'] / bm.MIB:.1f}",
+            f"{r['rss_peak_bytes'] / bm.MIB:.0f}",
             vs["rss_peak_bytes"],
-            f"{r['comm_wire_bytes'] / MIB:.2f}",
+            f"{r['comm_wire_bytes'] / bm.MIB:.2f}",
             vs["comm_wire_bytes"],
-            _ratio(r["comm_wire_bytes"], floor),
+            bm.ratio(r["comm_wire_bytes"], floor),
             f"{r['loss0']:.6f}",
             f"{r['loss_last']:.4f}",
         ]
-        rows.append("| " + " | ".join(cells) + " |")
-    return rows
+        rows.append(cells)
+    head = f"**{precision}** — ZeRO-3 floor {floor / bm.MIB:.2f} MiB/step/rank"
+    return [head, "", *bm.md_table(COLUMNS, rows, "l" + "r" * (len(COLUMNS) - 1))]
 
 
 def loss_check(precision: str, results: dict[str, dict]) -> str:
@@ -259,12 +187,12 @@ def library_lines(results: dict[str, dict[str, dict]]) -> list[str]:
         last = lib["last_step"]
         comm = last.get("collectives", last)
         ops = ", ".join(
-            f"{op} {s['calls']}x {s['bytes'] / MIB:.2f} MiB"
+            f"{op} {s['calls']}x {s['bytes'] / bm.MIB:.2f} MiB"
             for op, s in comm.items()
             if isinstance(s, dict) and "bytes" in s
         )
         seen = ", ".join(
-            f"{op} {c['calls']:.0f}x {c['bytes'] / MIB:.2f} MiB"
+            f"{op} {c['calls']:.0f}x {c['bytes'] / bm.MIB:.2f} MiB"
             for op, c in r["comm_per_step"].items()
         )
         parts = [
@@ -277,9 +205,9 @@ def library_lines(results: dict[str, dict[str, dict]]) -> list[str]:
                 f"(median), {lib['exposed_fraction']:.0%} of step time"
             )
         if "full_bytes_peak" in lib:
-            parts.append(f"full parameters at peak {lib['full_bytes_peak'] / MIB:.2f} MiB")
+            parts.append(f"full parameters at peak {lib['full_bytes_peak'] / bm.MIB:.2f} MiB")
         if isinstance(mem := lib.get("memory_stats"), dict):
-            parts.append(", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in mem.items()))
+            parts.append(", ".join(f"{k} {v / bm.MIB:.2f} MiB" for k, v in mem.items()))
         if "unsharded_units_peak" in last:
             parts.append(f"at most {last['unsharded_units_peak']} units unsharded at once")
         lines.append(f"- {precision}: " + "; ".join(parts))
@@ -289,11 +217,9 @@ def library_lines(results: dict[str, dict[str, dict]]) -> list[str]:
 def report(args: argparse.Namespace, cfg: BenchConfig, results: dict, info: dict) -> str:
     """The markdown block between the bench markers of BENCHMARKS.md."""
     psi, m = info["num_params"], info["machine"]
-    gpu = f", {m['gpu']}" if m["gpu"] else ""
     lines = [
-        BEGIN,
-        f"Run {info['date']} on {m['cpu']} ({m['cores']} cores{gpu}), torch {m['torch']}, "
-        f"commit {m['commit']}, load average at start {m['load_avg']}, "
+        MARKERS[0],
+        f"{bm.run_line(info['date'], m, gpu=True)}, load average at start {m['load_avg']}, "
         f"at end {info['load_avg_end']}.",
         "",
         f"    {info['command']}",
@@ -314,46 +240,21 @@ def report(args: argparse.Namespace, cfg: BenchConfig, results: dict, info: dict
     lib = library_lines(results)
     if lib:
         lines += ["fsdp_lite's own accounting:", "", *lib, ""]
-    lines.append(END)
+    lines.append(MARKERS[1])
     return "\n".join(lines)
-
-
-def write_markdown(path: Path, block: str, begin: str = BEGIN, end: str = END) -> None:
-    """Replace the block between ``begin`` and ``end`` in ``path`` (keeping any text around
-    it), append it if absent, or create the file."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    names = {f.name for f in dataclasses.fields(BenchConfig)}
-    cfg = BenchConfig(**{k: v for k, v in vars(args).items() if k in names})
-    world = args.world_size
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    info = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join(
-            [".venv/bin/python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
-        "machine": machine(),
-        "backend": "nccl" if cuda else "gloo",
-        "num_params": _count_params(cfg),
-        "config": dataclasses.asdict(cfg),
-    }
+    cfg = bm.config_from_args(BenchConfig, args)
+    info = bm.run_info("scripts/bench.py", argv)
+    info["backend"] = "nccl" if bm.use_cuda(args.world_size) else "gloo"
+    info["num_params"] = bm.count_params(lambda: GPT(cfg.gpt_config()))
+    info["config"] = dataclasses.asdict(cfg)
     results = run_all(args, cfg)
-    info["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    info["load_avg_end"] = bm.load_avg()
     block = report(args, cfg, results, info)
-    print(block)
-    if not args.no_write:
-        write_markdown(args.out, block)
-        args.json.write_text(json.dumps({"info": info, "results": results}, indent=1))
-        print(f"[bench] wrote {args.out} and {args.json}")
+    bm.publish(block, {"info": info, "results": results}, args, MARKERS, "bench")
 
 
 if __name__ == "__main__":

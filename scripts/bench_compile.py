@@ -24,55 +24,43 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # measure this checkout's fsdp_lite, not an installed one
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench import machine, write_markdown  # noqa: E402
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # measure this checkout's fsdp_lite
+
+import bench_measure as bm  # noqa: E402
 from bench_systems import BenchConfig, make_batches, train_step  # noqa: E402
 
 import fsdp_lite  # noqa: E402
 from fsdp_lite.testing.models import GPT, Block  # noqa: E402
 
-BEGIN, END = "<!-- bench-compile:begin -->", "<!-- bench-compile:end -->"
+MARKERS = "<!-- bench-compile:begin -->", "<!-- bench-compile:end -->"
 MODES = ("eager", "compiled")
 PRECISIONS = ("fp32", "bf16")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bm.make_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every case")
     p.add_argument("--steps", type=int, default=10, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=2, help="first steps, timed apart (>= 1)")
     p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated: fp32,bf16")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--layers", type=int, default=BenchConfig.layers)
-    p.add_argument("--dim", type=int, default=BenchConfig.dim)
-    p.add_argument("--seq", type=int, default=BenchConfig.seq)
-    p.add_argument("--batch", type=int, default=BenchConfig.batch, help="sequences per rank")
-    p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md", help="markdown report")
-    p.add_argument("--json", type=Path, default=ROOT / "BENCHMARKS_compile.json")
-    p.add_argument("--no-write", action="store_true", help="print the block, write nothing")
+    bm.add_config_args(
+        p, BenchConfig(), ("layers", "dim", "seq", "batch"), helps={"batch": "sequences per rank"}
+    )
+    bm.add_output_args(p, ROOT / "BENCHMARKS_compile.json")
     args = p.parse_args(argv)
-    args.precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
-    if not args.precisions or any(s not in PRECISIONS for s in args.precisions):
-        p.error(f"--precisions: choose from {', '.join(PRECISIONS)}")
+    args.precisions = bm.pick(args.precisions, PRECISIONS, "--precisions")
     if min(args.rounds, args.steps, args.warmup, args.world_size) < 1:
         p.error("need --rounds, --steps, --warmup and --world-size >= 1")
     return args
@@ -101,19 +89,19 @@ def _graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
-def run_rank(cfg: BenchConfig, precision: str, mode: str) -> dict[str, Any]:
-    """First steps, then timed steps, on this rank; step times and losses."""
-    batches = make_batches(cfg, dist.get_rank(), cfg.warmup + cfg.steps, torch.device("cpu"))
+def run_rank(rank: int, world: int, cfg: BenchConfig, precision: str, mode: str) -> dict[str, Any]:
+    """One rank of a case: first steps, then timed steps; step times and losses."""
+    batches = make_batches(cfg, rank, cfg.warmup + cfg.steps, torch.device("cpu"))
     model = build(cfg, precision, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
     first, times, cpu, losses = [], [], [], []
     for i in range(cfg.warmup + cfg.steps):
         dist.barrier()  # every rank starts the step together: the slowest rank is the step
-        t0, c0 = time.perf_counter(), time.process_time()
+        watch = bm.Stopwatch()
         loss = train_step(model, opt, batches[i], autocast=False)
-        (first if i < cfg.warmup else times).append(time.perf_counter() - t0)
+        (first if i < cfg.warmup else times).append(watch.wall())
         if i >= cfg.warmup:
-            cpu.append(time.process_time() - c0)
+            cpu.append(watch.cpu())
         losses.append(loss.item())
         if i == cfg.warmup - 1:
             graphs_after_warmup = _graphs()
@@ -127,36 +115,19 @@ def run_rank(cfg: BenchConfig, precision: str, mode: str) -> dict[str, Any]:
     }
 
 
-def rank_main(rank: int, world: int, cfg: BenchConfig, precision: str, mode: str, tmp: str) -> None:
-    torch.set_num_threads(cfg.threads)
-    os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=cfg.timeout_s),
-    )
-    try:
-        result = run_rank(cfg, precision, mode)
-        Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
 # -- the driver ----------------------------------------------------------------------------
 
 
 def run_case(cfg: BenchConfig, precision: str, mode: str, world: int) -> list[dict[str, Any]]:
-    """Spawn ``world`` fresh ranks for one case; each rank's result."""
-    with tempfile.TemporaryDirectory(prefix="fsdp_bench_compile_") as tmp:
-        mp.spawn(rank_main, args=(world, cfg, precision, mode, tmp), nprocs=world, join=True)
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    """``world`` fresh ranks (gloo) for one case; each rank's result."""
+    return bm.spawn_ranks(
+        run_rank, world, cfg, precision, mode, threads=cfg.threads, timeout_s=cfg.timeout_s
+    )
 
 
 def slowest(ranks: list[dict[str, Any]], key: str) -> list[float]:
-    """Per step, the slowest rank's time."""
-    return [max(step) for step in zip(*(r[key] for r in ranks), strict=True)]
+    """Per step, the slowest rank's ``key`` time."""
+    return bm.slowest_per_step(r[key] for r in ranks)
 
 
 def run_all(args: argparse.Namespace, cfg: BenchConfig) -> dict[str, dict[str, list]]:
@@ -164,14 +135,12 @@ def run_all(args: argparse.Namespace, cfg: BenchConfig) -> dict[str, dict[str, l
     time of the whole case). Modes alternate order round by round."""
     results: dict[str, dict[str, list]] = {p: {m: [] for m in MODES} for p in args.precisions}
     for rnd in range(args.rounds):
-        order = MODES if rnd % 2 == 0 else MODES[::-1]
         for precision in args.precisions:
-            for mode in order:
+            for mode in bm.round_order(MODES, rnd):
                 print(f"[bench-compile] round {rnd + 1}/{args.rounds}: {precision} {mode} ...")
-                start = time.perf_counter()
+                watch = bm.Stopwatch()
                 ranks = run_case(cfg, precision, mode, args.world_size)
-                wall = time.perf_counter() - start
-                results[precision][mode].append({"ranks": ranks, "case_wall_s": wall})
+                results[precision][mode].append({"ranks": ranks, "case_wall_s": watch.wall()})
                 ms = statistics.median(slowest(ranks, "step_times_s")) * 1e3
                 first = slowest(ranks, "first_steps_s")[0]
                 print(f"[bench-compile]   {ms:.1f} ms/step, first step {first:.1f} s", flush=True)
@@ -209,14 +178,7 @@ def table(precision: str, by_mode: dict[str, dict[str, Any]]) -> list[str]:
     """Markdown rows of one precision: each mode, its speed against eager (wall time: the
     median of the round-by-round ratios; CPU time: of the pooled medians), its first step."""
     eager = by_mode["eager"]
-    rows = [
-        f"**{precision}**",
-        "",
-        "| blocks | ms/step | tokens/s | vs eager | CPU ms/step | vs eager | ms/step per round "
-        "| first step s, round 1 / later | compile s, round 1 / later | graphs after first "
-        "steps / at end | loss@0 | loss@last |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for mode, r in by_mode.items():
         keys = ("first_step_s_round1", "first_step_s_later")
         compile_s = [
@@ -230,7 +192,7 @@ def table(precision: str, by_mode: dict[str, dict[str, Any]]) -> list[str]:
             f"{r['tokens_per_s']:,.0f}",
             f"{speedup:.2f}x",
             f"{r['median_cpu_s'] * 1e3:.0f}",
-            f"{eager['median_cpu_s'] / r['median_cpu_s']:.2f}x",
+            bm.ratio(eager["median_cpu_s"], r["median_cpu_s"]),
             " / ".join(f"{x:.0f}" for x in r["per_round_ms"]),
             f"{_fmt_s(r['first_step_s_round1'])} / {_fmt_s(r['first_step_s_later'])}",
             f"{_fmt_s(compile_s[0])} / {_fmt_s(compile_s[1])}",
@@ -238,20 +200,24 @@ def table(precision: str, by_mode: dict[str, dict[str, Any]]) -> list[str]:
             f"{r['loss0']:.6f}",
             f"{r['loss_last']:.6f}",
         ]
-        rows.append("| " + " | ".join(cells) + " |")
-    return rows
+        rows.append(cells)
+    columns = (
+        "blocks", "ms/step", "tokens/s", "vs eager", "CPU ms/step", "vs eager",
+        "ms/step per round", "first step s, round 1 / later", "compile s, round 1 / later",
+        "graphs after first steps / at end", "loss@0", "loss@last",
+    )  # fmt: skip
+    return [f"**{precision}**", "", *bm.md_table(columns, rows, "lrrrrrlrrrrr")]
 
 
 def report(args: argparse.Namespace, cfg: BenchConfig, summary: dict, info: dict) -> str:
     """The markdown block between the bench-compile markers of BENCHMARKS.md."""
     m = info["machine"]
     lines = [
-        BEGIN,
+        MARKERS[0],
         "## torch.compile: compiled blocks vs eager",
         "",
-        f"Run {info['date']} on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, commit "
-        f"{m['commit']}, load average at start {m['load_avg']}, at end {info['load_avg_end']}; "
-        f"the whole run took {info['wall_s']:.0f} s.",
+        f"{bm.run_line(info['date'], m)}, load average at start {m['load_avg']}, at end "
+        f"{info['load_avg_end']}; the whole run took {info['wall_s']:.0f} s.",
         "",
         f"    {info['command']}",
         "",
@@ -275,52 +241,27 @@ def report(args: argparse.Namespace, cfg: BenchConfig, summary: dict, info: dict
         d0 = abs(by_mode["compiled"]["loss0"] - by_mode["eager"]["loss0"])
         dl = abs(by_mode["compiled"]["loss_last"] - by_mode["eager"]["loss_last"])
         lines += ["", f"compiled vs eager loss: |Δ| {d0:.2e} at step 0, {dl:.2e} at the last", ""]
-    lines.append(END)
+    lines.append(MARKERS[1])
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    cfg = dataclasses.replace(
-        BenchConfig(),
-        layers=args.layers,
-        dim=args.dim,
-        seq=args.seq,
-        batch=args.batch,
-        steps=args.steps,
-        warmup=args.warmup,
-        threads=1,
-    )
-    start = time.perf_counter()
-    info: dict[str, Any] = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join(
-            [
-                ".venv/bin/python",
-                "scripts/bench_compile.py",
-                *(sys.argv[1:] if argv is None else argv),
-            ]
-        ),
-        "machine": machine(),
-        "config": dataclasses.asdict(cfg),
-    }
+    cfg = bm.config_from_args(BenchConfig, args)  # one thread per rank: the default
+    watch = bm.Stopwatch()
+    info = bm.run_info("scripts/bench_compile.py", argv)
+    info["config"] = dataclasses.asdict(cfg)
     with tempfile.TemporaryDirectory(prefix="fsdp_bench_inductor_") as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # round 1 compiles from nothing
         results = run_all(args, cfg)
-    info["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
-    info["wall_s"] = time.perf_counter() - start
+    info["load_avg_end"] = bm.load_avg()
+    info["wall_s"] = watch.wall()
     summary = {
         p: {m: summarize(results[p][m], cfg, args.world_size) for m in MODES} for p in results
     }
     block = report(args, cfg, summary, info)
-    print(block)
-    if args.no_write:
-        return
-    write_markdown(args.out, block, BEGIN, END)
-    args.json.write_text(
-        json.dumps({"info": info, "summary": summary, "raw": results}, indent=1) + "\n"
-    )
-    print(f"[bench-compile] wrote {args.out} and {args.json}")
+    payload = {"info": info, "summary": summary, "raw": results}
+    bm.publish(block, payload, args, MARKERS, "bench-compile")
 
 
 if __name__ == "__main__":

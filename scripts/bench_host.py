@@ -17,43 +17,40 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
-import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import machine, write_markdown  # noqa: E402
-from bench_systems import BenchConfig, _wrap  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # measure this checkout's fsdp_lite
+
+import bench_measure as bm  # noqa: E402
+from bench_systems import PRECISIONS, BenchConfig, _wrap  # noqa: E402
 
 from fsdp_lite.testing.models import GPT  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-BEGIN, END = "<!-- bench-host:begin -->", "<!-- bench-host:end -->"
+MARKERS = "<!-- bench-host:begin -->", "<!-- bench-host:end -->"
 SYSTEMS = ("unwrapped", "fsdp_lite", "fsdp_lite-orig", "fsdp_lite-whole", "fsdp2", "fsdp1")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bm.make_parser(__doc__)
     p.add_argument("--layers", type=int, default=64)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="timed steps per system per round")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--precisions", default=",".join(PRECISIONS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
-    p.add_argument("--json", type=Path, default=ROOT / "BENCHMARKS_host.json")
-    p.add_argument("--no-write", action="store_true")
-    return p.parse_args(argv)
+    bm.add_output_args(p, ROOT / "BENCHMARKS_host.json")
+    args = p.parse_args(argv)
+    args.precisions = bm.pick(args.precisions, PRECISIONS, "--precisions")
+    args.systems = bm.pick(args.systems, SYSTEMS, "--systems")
+    return args
 
 
 def config(args: argparse.Namespace) -> BenchConfig:
@@ -82,29 +79,27 @@ class Case:
         self.fwd_bwd_s: list[float] = []
 
     def step(self, record: bool) -> None:
-        t0 = time.perf_counter()
+        watch = bm.Stopwatch()
         self.opt.zero_grad(set_to_none=True)
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else None
         with ctx or contextlib.nullcontext():
             _, loss = self.model(self.x, self.y)
         loss.backward()
-        t1 = time.perf_counter()
+        fwd_bwd = watch.wall()
         self.opt.step()
-        t2 = time.perf_counter()
+        step = watch.wall()
         if record:
-            self.fwd_bwd_s.append(t1 - t0)
-            self.step_s.append(t2 - t0)
+            self.fwd_bwd_s.append(fwd_bwd)
+            self.step_s.append(step)
 
 
 def run(args: argparse.Namespace, precision: str, cfg: BenchConfig) -> dict[str, dict]:
-    systems = args.systems.split(",")
-    cases = [Case(s, precision, cfg) for s in systems]
+    cases = [Case(s, precision, cfg) for s in args.systems]
     for case in cases:
         for _ in range(args.warmup):
             case.step(record=False)
     for r in range(args.rounds):
-        order = cases[r % len(cases) :] + cases[: r % len(cases)]
-        for case in order:
+        for case in bm.round_order(cases, r):
             for _ in range(args.steps):
                 case.step(record=True)
     return {
@@ -131,13 +126,7 @@ def table(precision: str, res: dict[str, dict]) -> list[str]:
             return None
         return (r[key] - base[key]) / r["units"] * 1e6
 
-    lines = [
-        f"**{precision}**",
-        "",
-        "| system | ms/step | µs/unit over unwrapped | vs FSDP2 | fwd+bwd ms | "
-        "µs/unit fwd+bwd | vs FSDP2 |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for name, r in res.items():
         cells = [name, f"{r['step_s'] * 1e3:.1f}"]
         for key in ("step_s", "fwd_bwd_s"):
@@ -146,19 +135,21 @@ def table(precision: str, res: dict[str, dict]) -> list[str]:
             mine = per_unit(name, key)
             ref = per_unit("fsdp2", key) if peer else None
             cells.append("" if mine is None else f"{mine:.0f}")
-            cells.append(f"{mine / ref:.2f}×" if mine is not None and ref else "")
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+            cells.append("" if mine is None else bm.ratio(mine, ref, unit="×", missing=""))
+        rows.append(cells)
+    columns = (
+        "system", "ms/step", "µs/unit over unwrapped", "vs FSDP2", "fwd+bwd ms",
+        "µs/unit fwd+bwd", "vs FSDP2",
+    )  # fmt: skip
+    return [f"**{precision}**", "", *bm.md_table(columns, rows, "l" * len(columns))]
 
 
 def report(args: argparse.Namespace, cfg: BenchConfig, results: dict, command: str) -> str:
-    m = machine()
     lines = [
-        BEGIN,
+        MARKERS[0],
         "## Host overhead per unit",
         "",
-        f"Run {datetime.datetime.now().astimezone().isoformat(timespec='seconds')} on "
-        f"{m['cpu']} ({m['cores']} cores), torch {m['torch']}, commit {m['commit']}.",
+        f"{bm.run_line(bm.now(), bm.machine())}.",
         "",
         f"    {command}",
         "",
@@ -170,30 +161,18 @@ def report(args: argparse.Namespace, cfg: BenchConfig, results: dict, command: s
     ]
     for precision, res in results.items():
         lines += table(precision, res) + [""]
-    lines.append(END)
+    lines.append(MARKERS[1])
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(1)
-    # whole params on the fake process group: rows no rank sends stay uninitialized, and
-    # denormals among them would slow the arithmetic; the host work is what is measured
-    torch.set_flush_denormal(True)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
     cfg = config(args)
-    results = {p: run(args, p, cfg) for p in args.precisions.split(",")}
-    command = shlex.join(
-        [".venv/bin/python", "scripts/bench_host.py", *(sys.argv[1:] if argv is None else argv)]
-    )
+    with bm.fake_group(0, args.world_size):
+        results = {p: run(args, p, cfg) for p in args.precisions}
+    command = bm.command_line("scripts/bench_host.py", argv)
     block = report(args, cfg, results, command)
-    print(block)
-    if not args.no_write:
-        write_markdown(args.out, block, BEGIN, END)
-        args.json.write_text(json.dumps({"command": command, "results": results}, indent=1))
-    dist.destroy_process_group()
+    bm.publish(block, {"command": command, "results": results}, args, MARKERS, "bench-host")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ frozen base with LoRA adapters (the same Llama, the same batch, one unit per dec
 
     .venv/bin/python scripts/bench_lora.py [--layers 8 --hidden 256 --rounds 3 --steps 3]
 
-W ranks (gloo on CPU, ``fsdp_lite.testing.run_distributed``) train one PEFT model (LoRA on
+W ranks (gloo on CPU, ``bench_measure.spawn_ranks``) train one PEFT model (LoRA on
 q_proj and v_proj) in two modes: ``full`` makes every parameter trainable, ``lora`` only
 the adapters. Rounds alternate the modes (full, lora, full, lora, ...); each figure is the
 median over rounds, the larger of the ranks'. Per mode:
@@ -32,23 +32,20 @@ from typing import Any
 
 import torch
 from torch.autograd.profiler import record_function
-from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # measure this checkout's fsdp_lite, not an installed one
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_measure import peak_from_profile  # noqa: E402
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # measure this checkout's fsdp_lite
+
+import bench_measure as bm  # noqa: E402
 
 import fsdp_lite  # noqa: E402
-from fsdp_lite.testing import run_distributed  # noqa: E402
 
-MIB = 2**20
 MODES = ("full", "lora")
 BACKWARD = "bench::backward"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = bm.make_parser(__doc__)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--vocab", type=int, default=1024)
@@ -87,7 +84,7 @@ def build_model(args: argparse.Namespace, mode: str) -> torch.nn.Module:
 def measure(args: argparse.Namespace, mode: str, x: torch.Tensor) -> dict[str, Any]:
     """Build, wrap and train ``args.steps`` steps under the profiler; this rank's figures."""
     full_peaks, unit_peaks = [], []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with bm.memory_profile(torch.device("cpu")) as prof:
         model = build_model(args, mode)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
@@ -111,7 +108,7 @@ def measure(args: argparse.Namespace, mode: str, x: torch.Tensor) -> dict[str, A
         largest_unit = model.memory_stats()["largest_unit_full_bytes"]
         del model, opt, loss
     return {
-        "peak_bytes": peak_from_profile(prof, torch.device("cpu"), label=BACKWARD)["peak_bytes"],
+        "peak_bytes": bm.peak_from_profile(prof, torch.device("cpu"), label=BACKWARD)["peak_bytes"],
         "full_bytes_peak": max(full_peaks),
         "units_peak": max(unit_peaks),
         "units": units,
@@ -145,36 +142,37 @@ def summarize(ranks: list[dict[str, list[dict]]]) -> dict[str, dict[str, float]]
 
 def table(s: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
     full, lora = s["full"], s["lora"]
-    rows = [
-        "| mode | trainable params | peak MiB in backward | gathered full params, peak MiB "
-        "| units gathered at once |",
-        "|---|---:|---:|---:|---:|",
-    ]
+    columns = (
+        "mode", "trainable params", "peak MiB in backward", "gathered full params, peak MiB",
+        "units gathered at once",
+    )  # fmt: skip
+    rows = []
     for mode in MODES:
         r = s[mode]
+        units = f"{r['units_peak']:.0f} of {r['units']:.0f}"
         rows.append(
-            f"| {mode} | {r['trainable'] / 1e6:.2f} M | {r['peak_bytes'] / MIB:.1f} "
-            f"| {r['full_bytes_peak'] / MIB:.1f} | {r['units_peak']:.0f} of {r['units']:.0f} |"
-        )
-    rows.append(
-        f"| lora / full | {lora['trainable'] / full['trainable']:.3f} "
-        f"| {lora['peak_bytes'] / full['peak_bytes']:.2f}x "
-        f"| {lora['full_bytes_peak'] / full['full_bytes_peak']:.2f}x "
-        f"| {lora['units_peak'] / full['units_peak']:.2f}x |"
-    )
+            [mode, f"{r['trainable'] / 1e6:.2f} M", f"{r['peak_bytes'] / bm.MIB:.1f}",
+             f"{r['full_bytes_peak'] / bm.MIB:.1f}", units]
+        )  # fmt: skip
+    ratios = [
+        "lora / full",
+        bm.ratio(lora["trainable"], full["trainable"], digits=3, unit=""),
+        *(bm.ratio(lora[k], full[k]) for k in ("peak_bytes", "full_bytes_peak", "units_peak")),
+    ]
     head = (
         f"Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab} "
-        f"({full['params'] / 1e6:.2f} M params; largest unit {full['largest_unit_bytes'] / MIB:.1f}"
-        f" MiB full), LoRA r={args.lora_rank} on q_proj/v_proj; W={args.world_size} gloo CPU, "
+        f"({full['params'] / 1e6:.2f} M params; largest unit "
+        f"{full['largest_unit_bytes'] / bm.MIB:.1f} MiB full), LoRA r={args.lora_rank} on "
+        f"q_proj/v_proj; W={args.world_size} gloo CPU, "
         f"{args.batch}x{args.seq} tokens per rank; median of {args.rounds} interleaved rounds, "
         f"largest rank, backward of steps 2..{args.steps}."
     )
-    return head + "\n\n" + "\n".join(rows)
+    return head + "\n\n" + "\n".join([*bm.md_table(columns, rows, "lrrrr"), bm.md_row(ratios)])
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    ranks = run_distributed(rank_main, args.world_size, args, timeout=900.0)
+    ranks = bm.spawn_ranks(rank_main, args.world_size, args, timeout_s=900.0)
     print(table(summarize(ranks), args))
 
 

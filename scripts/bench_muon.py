@@ -47,30 +47,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
-import multiprocessing
-import os
-import shlex
 import statistics
 import sys
-import tempfile
-import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # measure this checkout's fsdp_lite
 
+import bench_measure as bm  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from bench import machine  # noqa: E402
-from bench_measure import count_collectives  # noqa: E402
-from bench_systems import tied_gpt_config  # noqa: E402
+from bench_systems import make_batches, tied_gpt_config  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fsdp_lite  # noqa: E402
@@ -78,7 +67,6 @@ from fsdp_lite.core.tree import units_of  # noqa: E402
 from fsdp_lite.testing.models import GPT, Block, GPTConfig  # noqa: E402
 
 CASES = ("default + AdamW", "whole + AdamW", "whole + Muon", "FSDP2 + Muon (gather)")
-MIB = 2**20
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
 NS_STEPS = 5
 NS_EPS = 1e-7
@@ -102,7 +90,7 @@ class MuonBenchConfig:
     seed: int = 1234
     muon_lr: float = 0.02
     adamw_lr: float = 1e-3
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # a collective's, before the process group fails it
 
     def gpt_config(self) -> GPTConfig:
         return dataclasses.replace(tied_gpt_config(self), tie_weights=False)
@@ -230,55 +218,46 @@ def build_case(case: str, cfg: MuonBenchConfig) -> tuple[nn.Module, list[Optimiz
     return model, opts
 
 
-def make_batches(cfg: MuonBenchConfig, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``warmup + steps`` batches of random tokens for this rank, reused every round."""
-    g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-    tokens = torch.randint(cfg.vocab, (cfg.warmup + cfg.steps, cfg.batch, cfg.seq + 1), generator=g)
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-
-
 def train_step(
     model: nn.Module, opts: list[Optimizer], batch: tuple, opt_counts: dict | None = None
 ) -> tuple[float, float, float]:
     """One step; (seconds in all, seconds in the optimizer step, loss). With ``opt_counts``,
     the optimizer step's collectives are added to it."""
     x, y = batch
-    t0 = time.perf_counter()
+    watch = bm.Stopwatch()
     for opt in opts:
         opt.zero_grad(set_to_none=True)
     _, loss = model(x, y)
     loss.backward()
-    t1 = time.perf_counter()
+    fwd_bwd = watch.wall()
     if opt_counts is None:
         for opt in opts:
             opt.step()
     else:
-        with count_collectives() as counts:
+        with bm.count_collectives() as counts:
             for opt in opts:
                 opt.step()
-        for kind, c in counts.items():
-            for k, v in c.items():
-                opt_counts[kind][k] += v
-    t2 = time.perf_counter()
-    return t2 - t0, t2 - t1, loss.item()
+        bm.add_counts(opt_counts, counts)
+    step = watch.wall()
+    return step, step - fwd_bwd, loss.item()
 
 
 def comm_total(counts: dict, steps: int) -> dict[str, Any]:
     """Per step: full-buffer bytes and calls per collective kind, and their sum."""
-    per_kind = {k: {f: v / steps for f, v in c.items()} for k, c in counts.items()}
+    per_kind = bm.per_step(counts, steps)
     return {"bytes": sum(c["bytes"] for c in per_kind.values()), "kinds": per_kind}
 
 
-def run_cases(cfg: MuonBenchConfig) -> dict[str, Any]:
-    """On this rank: build every case, run ``cfg.rounds`` interleaved rounds."""
-    rank = dist.get_rank()
-    batches = make_batches(cfg, rank)
+def run_cases(rank: int, world: int, cfg: MuonBenchConfig) -> dict[str, Any]:
+    """One rank (gloo or fake): build every case, run ``cfg.rounds`` interleaved rounds, the
+    same ``warmup + steps`` batches each round."""
+    batches = make_batches(cfg, rank, cfg.warmup + cfg.steps, torch.device("cpu"))
     built = {case: build_case(case, cfg) for case in CASES}
     out: dict[str, Any] = {
         c: {"step_s": [], "opt_s": [], "losses": [], "lib_bytes": None} for c in CASES
     }
-    comm: dict[str, Any] = {c: defaultdict(lambda: defaultdict(float)) for c in CASES}
-    opt_comm: dict[str, Any] = {c: defaultdict(lambda: defaultdict(float)) for c in CASES}
+    comm = {c: bm.new_counts() for c in CASES}
+    opt_comm = {c: bm.new_counts() for c in CASES}
     for _ in range(cfg.rounds):
         for case in CASES:
             model, opts = built[case]
@@ -289,11 +268,9 @@ def run_cases(cfg: MuonBenchConfig) -> dict[str, Any]:
                 dist.barrier()  # ranks start each step together: the slowest rank is the step
                 fsdp_lite.reset_stats()
                 if timed:
-                    with count_collectives() as counts:
+                    with bm.count_collectives() as counts:
                         step_s, o_s, loss = train_step(model, opts, batch, opt_comm[case])
-                    for kind, c in counts.items():
-                        for k, v in c.items():
-                            comm[case][kind][k] += v
+                    bm.add_counts(comm[case], counts)
                     steps_s.append(step_s)
                     opt_s.append(o_s)
                 else:
@@ -312,130 +289,71 @@ def run_cases(cfg: MuonBenchConfig) -> dict[str, Any]:
     return out
 
 
-def gloo_rank(rank: int, world: int, cfg: MuonBenchConfig, init_file: str, out_dir: str) -> None:
-    """A spawned gloo rank: every case, its figures to ``out_dir/rank{rank}.json``."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=cfg.timeout_s),
-    )
-    try:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(run_cases(cfg)))
-    finally:
-        dist.destroy_process_group()
-
-
-def fake_rank(rank: int, world: int, cfg: MuonBenchConfig, out_dir: str) -> None:
-    """Rank ``rank`` of ``world`` alone on the fake process group: every case."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)  # unwritten gather rows may hold denormals
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(run_cases(cfg)))
-    finally:
-        dist.destroy_process_group()
-
-
-def layout_rank0(world: int, cfg: MuonBenchConfig, out_dir: str) -> None:
-    """Rank 0 of ``world`` on the fake process group: per-step all-gather + reduce-scatter
-    bytes of the default layout and of whole params, and the whole layout's pieces."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        batch = make_batches(cfg, 0)[0]
-        result: dict[str, Any] = {"world": world}
-        for case in CASES[:2]:
-            model, opts = build_case(case, cfg)
-            for _ in range(2):  # the first step also runs the divergence check in lockstep
-                fsdp_lite.reset_stats()
-                train_step(model, opts, batch)
-            stats = fsdp_lite.stats()
-            ops = ("all_gather", "reduce_scatter")
-            flats = [f for u in units_of(model) for f in u.flat_params]
-            owned = [0] * world
-            for f in flats:
-                for r in range(world):
-                    owned[r] += (f.bounds[r + 1] - f.bounds[r]) * f.shard.element_size()
-            # Per unit: what its gathers and reduce-scatters would move were every flat
-            # param padded to W x its largest per-rank piece.
-            padded = 0.0
-            for u in units_of(model):
-                moved = sum(
-                    stats["units"].get(u.name, {}).get(op, {}).get("bytes", 0) for op in ops
-                )
-                full = sum(f.bounds[-1] * f.shard.element_size() for f in u.flat_params)
-                pad = sum(
-                    world
-                    * max(b - a for a, b in zip(f.bounds, f.bounds[1:], strict=False))
-                    * f.shard.element_size()
-                    for f in u.flat_params
-                )
-                padded += moved * pad / full if full else 0.0
-            result[case] = {
-                "bytes": sum(stats["collectives"].get(op, {}).get("bytes", 0) for op in ops),
-                "owned": owned,
-                "padded_bytes": padded,
-            }
-            del model, opts
-        Path(out_dir, f"layout{world}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+def layout(rank: int, world: int, cfg: MuonBenchConfig) -> dict[str, Any]:
+    """Rank ``rank`` of ``world`` on the fake process group: per-step all-gather +
+    reduce-scatter bytes of the default layout and of whole params, and the whole layout's
+    pieces."""
+    batch = make_batches(cfg, rank, cfg.warmup + cfg.steps, torch.device("cpu"))[0]
+    result: dict[str, Any] = {"world": world}
+    for case in CASES[:2]:
+        model, opts = build_case(case, cfg)
+        for _ in range(2):  # the first step also runs the divergence check in lockstep
+            fsdp_lite.reset_stats()
+            train_step(model, opts, batch)
+        stats = fsdp_lite.stats()
+        ops = ("all_gather", "reduce_scatter")
+        flats = [f for u in units_of(model) for f in u.flat_params]
+        owned = [0] * world
+        for f in flats:
+            for r in range(world):
+                owned[r] += (f.bounds[r + 1] - f.bounds[r]) * f.shard.element_size()
+        # Per unit: what its gathers and reduce-scatters would move were every flat
+        # param padded to W x its largest per-rank piece.
+        padded = 0.0
+        for u in units_of(model):
+            moved = sum(stats["units"].get(u.name, {}).get(op, {}).get("bytes", 0) for op in ops)
+            full = sum(f.bounds[-1] * f.shard.element_size() for f in u.flat_params)
+            pad = sum(
+                world
+                * max(b - a for a, b in zip(f.bounds, f.bounds[1:], strict=False))
+                * f.shard.element_size()
+                for f in u.flat_params
+            )
+            padded += moved * pad / full if full else 0.0
+        result[case] = {
+            "bytes": sum(stats["collectives"].get(op, {}).get("bytes", 0) for op in ops),
+            "owned": owned,
+            "padded_bytes": padded,
+        }
+        del model, opts
+    return result
 
 
 # -- driving and reporting ---------------------------------------------------------------------
 
 
 def run_gloo(cfg: MuonBenchConfig, world: int) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory(prefix="bench_muon_") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(gloo_rank, args=(world, cfg, init_file, tmp), nprocs=world, join=True)
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
-
-
-def run_sequential(target: Callable, arg_sets: list[tuple], out_dir: str) -> None:
-    """``target(*args, out_dir)`` in a fresh spawned process per argument set, one at a time."""
-    ctx = multiprocessing.get_context("spawn")
-    for args in arg_sets:
-        proc = ctx.Process(target=target, args=(*args, out_dir))
-        proc.start()
-        proc.join()
-        if proc.exitcode:
-            raise SystemExit(f"[bench-muon] {target.__name__}{args[:1]} exited {proc.exitcode}")
+    """Every case on ``world`` real gloo ranks, one thread each."""
+    return bm.spawn_ranks(run_cases, world, cfg, timeout_s=cfg.timeout_s)
 
 
 def run_fake(cfg: MuonBenchConfig, world: int) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory(prefix="bench_muon_") as tmp:
-        run_sequential(fake_rank, [(r, world, cfg) for r in range(world)], tmp)
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    """Every case on each of ``world`` fake-PG ranks, one rank after another."""
+    return [bm.fake_rank(run_cases, r, world, cfg) for r in range(world)]
 
 
 def run_layouts(cfg: MuonBenchConfig, worlds: list[int]) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory(prefix="bench_muon_") as tmp:
-        run_sequential(layout_rank0, [(w, cfg) for w in worlds], tmp)
-        return [json.loads(Path(tmp, f"layout{w}.json").read_text()) for w in worlds]
+    """The layout figures of rank 0 at each world size."""
+    return [bm.fake_rank(layout, 0, w, cfg) for w in worlds]
 
 
 def summarize(ranks: list[dict[str, Any]], case: str) -> dict[str, float]:
     """One case over its ranks: slowest rank per step, median per round, median of rounds."""
     rounds = len(ranks[0][case]["step_s"])
-    step = statistics.median(
-        statistics.median(
-            max(ts) for ts in zip(*(r[case]["step_s"][k] for r in ranks), strict=True)
-        )
-        for k in range(rounds)
+    step = bm.median_of_rounds(
+        bm.slowest_per_step(r[case]["step_s"][k] for r in ranks) for k in range(rounds)
     )
-    opt = [
-        statistics.median(statistics.median(r[case]["opt_s"][k]) for k in range(rounds))
-        for r in ranks
-    ]
+    opt = [bm.median_of_rounds(r[case]["opt_s"]) for r in ranks]
     return {
         "step_s": step,
         "opt_max_s": max(opt),
@@ -448,34 +366,31 @@ def summarize(ranks: list[dict[str, Any]], case: str) -> dict[str, float]:
     }
 
 
-def _ratio(x: float, ref: float) -> str:
-    return f"{x / ref:.2f}x" if ref else "-"
-
-
 def case_table(ranks: list[dict[str, Any]], world: int, fake: bool) -> list[str]:
     cols = (
         "case", "comm MiB/step", "vs default", "in optimizer MiB", "ms/step", "vs default",
         "optimizer ms (max rank)", "vs default", "optimizer max/mean", "loss first -> last",
     )  # fmt: skip
-    rows = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
+    rows = []
     figures = {case: summarize(ranks, case) for case in CASES}
     ref = figures[CASES[0]]
     for case, f in figures.items():
         loss = "-" if fake else f"{f['loss_first']:.6f} -> {f['loss_last']:.6f}"
         cells = [
             case,
-            f"{f['comm_bytes'] / MIB:.2f}",
-            _ratio(f["comm_bytes"], ref["comm_bytes"]),
-            f"{f['opt_comm_bytes'] / MIB:.2f}",
+            f"{f['comm_bytes'] / bm.MIB:.2f}",
+            bm.ratio(f["comm_bytes"], ref["comm_bytes"]),
+            f"{f['opt_comm_bytes'] / bm.MIB:.2f}",
             f"{f['step_s'] * 1e3:.1f}",
-            _ratio(f["step_s"], ref["step_s"]),
+            bm.ratio(f["step_s"], ref["step_s"]),
             f"{f['opt_max_s'] * 1e3:.2f}",
-            _ratio(f["opt_max_s"], ref["opt_max_s"]),
+            bm.ratio(f["opt_max_s"], ref["opt_max_s"]),
             f"{f['opt_max_s'] / f['opt_mean_s']:.2f}" if f["opt_mean_s"] else "-",
             loss,
         ]
-        rows.append("| " + " | ".join(cells) + " |")
-    lib = ", ".join(f"{case} {figures[case]['lib_bytes'] / MIB:.2f} MiB" for case in CASES[:3])
+        rows.append(cells)
+    rows = bm.md_table(cols, rows, "l" + "r" * (len(cols) - 1))
+    lib = ", ".join(f"{case} {figures[case]['lib_bytes'] / bm.MIB:.2f} MiB" for case in CASES[:3])
     rows += ["", f"fsdp_lite's own accounting (rank 0, last step): {lib}."]
     return rows
 
@@ -486,34 +401,31 @@ def layout_table(layouts: list[dict[str, Any]]) -> list[str]:
         "owned MiB/rank max", "owned max/mean", "padded to max piece MiB/step",
         "padded/default",
     )  # fmt: skip
-    rows = ["| " + " | ".join(cols) + " |", "|---:|" + "---:|" * (len(cols) - 1)]
+    rows = []
     for lay in layouts:
         d, w = lay[CASES[0]], lay[CASES[1]]
         owned = w["owned"]
         cells = [
             str(lay["world"]),
-            f"{d['bytes'] / MIB:.2f}",
-            f"{w['bytes'] / MIB:.2f}",
-            _ratio(w["bytes"], d["bytes"]),
-            f"{max(owned) / MIB:.3f}",
+            f"{d['bytes'] / bm.MIB:.2f}",
+            f"{w['bytes'] / bm.MIB:.2f}",
+            bm.ratio(w["bytes"], d["bytes"]),
+            f"{max(owned) / bm.MIB:.3f}",
             f"{max(owned) / statistics.fmean(owned):.2f}",
-            f"{w['padded_bytes'] / MIB:.2f}",
-            _ratio(w["padded_bytes"], d["bytes"]),
+            f"{w['padded_bytes'] / bm.MIB:.2f}",
+            bm.ratio(w["padded_bytes"], d["bytes"]),
         ]
-        rows.append("| " + " | ".join(cells) + " |")
-    return rows
+        rows.append(cells)
+    return bm.md_table(cols, rows, "r" * len(cols))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bm.make_parser(__doc__)
     defaults = MuonBenchConfig()
     p.add_argument("--steps", type=int, default=defaults.steps, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed steps per round")
     p.add_argument("--rounds", type=int, default=defaults.rounds, help="interleaved rounds")
-    for name in ("layers", "dim", "heads", "vocab", "seq", "batch", "seed"):
-        p.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    bm.add_config_args(p, defaults, ("layers", "dim", "heads", "vocab", "seq", "batch", "seed"))
     p.add_argument("--world", type=int, default=2, help="real gloo ranks")
     p.add_argument("--fake-world", type=int, default=8, help="simulated ranks (fake PG)")
     p.add_argument("--max-layout-world", type=int, default=8, help="second table: W=2..this")
@@ -525,29 +437,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    names = {f.name for f in dataclasses.fields(MuonBenchConfig)}
-    cfg = MuonBenchConfig(**{k: v for k, v in vars(args).items() if k in names})
-    t0 = time.perf_counter()
-    info = machine()
-    command = shlex.join(
-        [".venv/bin/python", "scripts/bench_muon.py", *(sys.argv[1:] if argv is None else argv)]
-    )
-    with torch.device("meta"):
-        psi = sum(p.numel() for p in GPT(cfg.gpt_config()).parameters())
-    t = time.perf_counter()
-    gloo = run_gloo(cfg, args.world)
-    print(f"[bench-muon] W={args.world} gloo: {time.perf_counter() - t:.0f} s", flush=True)
-    t = time.perf_counter()
-    fake = run_fake(cfg, args.fake_world)
-    print(f"[bench-muon] W={args.fake_world} fake PG: {time.perf_counter() - t:.0f} s", flush=True)
-    t = time.perf_counter()
-    layouts = run_layouts(cfg, list(range(2, args.max_layout_world + 1)))
-    print(f"[bench-muon] layouts: {time.perf_counter() - t:.0f} s", flush=True)
-    load_end = [round(x, 2) for x in os.getloadavg()]
+    cfg = bm.config_from_args(MuonBenchConfig, args)
+    with bm.stage("[bench-muon] total"):
+        run_and_print(args, cfg, bm.command_line("scripts/bench_muon.py", argv))
+
+
+def run_and_print(args: argparse.Namespace, cfg: MuonBenchConfig, command: str) -> None:
+    """Run every part; print the tables."""
+    info = bm.machine()
+    psi = bm.count_params(lambda: GPT(cfg.gpt_config()))
+    with bm.stage(f"[bench-muon] W={args.world} gloo"):
+        gloo = run_gloo(cfg, args.world)
+    with bm.stage(f"[bench-muon] W={args.fake_world} fake PG"):
+        fake = run_fake(cfg, args.fake_world)
+    with bm.stage("[bench-muon] layouts"):
+        layouts = run_layouts(cfg, list(range(2, args.max_layout_world + 1)))
     lines = [
-        f"Run {datetime.datetime.now().astimezone().isoformat(timespec='seconds')} on "
-        f"{info['cpu']} ({info['cores']} cores), torch {info['torch']}, commit "
-        f"{info['commit']}, load average at start {info['load_avg']}, at end {load_end}:",
+        f"{bm.run_line(bm.now(), info)}, load average at start {info['load_avg']}, at end "
+        f"{bm.load_avg()}:",
         "",
         f"    {command}",
         "",
@@ -575,7 +482,6 @@ def main(argv: list[str] | None = None) -> None:
         *layout_table(layouts),
     ]
     print("\n".join(lines))
-    print(f"[bench-muon] total: {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":

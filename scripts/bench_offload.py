@@ -11,34 +11,22 @@ mode moves off the heap (shards + grads + AdamW moments = 16 bytes per parameter
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import tempfile
-import time
+from pathlib import Path
 
 import torch
 
-import fsdp_lite
-from fsdp_lite.testing import run_distributed
-from fsdp_lite.testing.models import GPT, Block, GPTConfig
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # measure this checkout's fsdp_lite
 
-MiB = 2**20
+import bench_measure as bm  # noqa: E402
 
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
+import fsdp_lite  # noqa: E402
+from fsdp_lite.testing.models import GPT, Block, GPTConfig  # noqa: E402
 
 
 def _rank(rank: int, world: int, mode: str, args: dict, tmp: str) -> dict:
@@ -55,18 +43,18 @@ def _rank(rank: int, world: int, mode: str, args: dict, tmp: str) -> dict:
     rss, times = [], []
     for step in range(args["steps"]):
         if step == args["steps"] - 1:
-            _reset_peak()
+            bm.reset_peak_rss()
         x = torch.randint(0, cfg.vocab_size, (1, 64), generator=gen)
-        t0 = time.perf_counter()
+        watch = bm.Stopwatch()
         model(x, x)[1].backward()
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        rss.append(_status_kib("VmRSS") * 1024)
+        times.append(watch.wall())
+        rss.append(bm.rss_bytes())
     n_params = sum(p.numel() for p in model.parameters()) * world
     return {
         "rss_between_steps": rss[-1],
-        "peak_rss_last_step": _status_kib("VmHWM") * 1024,
+        "peak_rss_last_step": bm.peak_rss_bytes(),
         "median_step_s": statistics.median(times[1:]),
         "model_state_bytes": 16 * n_params // world,
         "params": n_params,
@@ -74,7 +62,7 @@ def _rank(rank: int, world: int, mode: str, args: dict, tmp: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bm.make_parser(__doc__)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=8192)
@@ -93,13 +81,12 @@ def main() -> None:
     results = {}
     for mode in ("none", "cpu", "ssd"):
         with tempfile.TemporaryDirectory(prefix="fsdp_lite_ssd_") as tmp:
-            per_rank = run_distributed(_rank, args["world_size"], mode, args, tmp, timeout=1800)
+            per_rank = bm.spawn_ranks(_rank, args["world_size"], mode, args, tmp, timeout_s=1800)
         results[mode] = per_rank[0]
         print(f"{mode}: {per_rank[0]}", file=sys.stderr)
     print(_table(results, args))
     if args["json"]:
-        with open(args["json"], "w") as f:
-            json.dump({"args": args, "results": results}, f, indent=2)
+        bm.write_json(args["json"], {"args": args, "results": results})
 
 
 def _table(results: dict, args: dict) -> str:
@@ -108,23 +95,26 @@ def _table(results: dict, args: dict) -> str:
     # Between steps zero_grad(set_to_none=True) has freed the grads in every mode, so the
     # model state resident then is the shards and AdamW's two moments: 12 of the 16 bytes.
     between = state * 12 // 16
-    lines = [
+    head = (
         f"{base['params'] / 1e6:.1f}M parameters, W={args['world_size']}; model state per rank "
-        f"{state / MiB:.0f} MiB (fp32 shard + grad + AdamW moments), of which "
-        f"{between / MiB:.0f} MiB (shard + moments) is resident between steps",
-        "",
-        "| offload | RSS between steps (MiB) | peak RSS in a step (MiB) | saved between steps "
-        "(% of resident model state) | median step (s) | step time vs none |",
-        "|---|---|---|---|---|---|",
-    ]
+        f"{state / bm.MIB:.0f} MiB (fp32 shard + grad + AdamW moments), of which "
+        f"{between / bm.MIB:.0f} MiB (shard + moments) is resident between steps"
+    )
+    columns = (
+        "offload", "RSS between steps (MiB)", "peak RSS in a step (MiB)",
+        "saved between steps (% of resident model state)", "median step (s)",
+        "step time vs none",
+    )  # fmt: skip
+    rows = []
     for mode, r in results.items():
         saved = base["rss_between_steps"] - r["rss_between_steps"]
-        lines.append(
-            f"| {mode} | {r['rss_between_steps'] / MiB:.0f} | {r['peak_rss_last_step'] / MiB:.0f} "
-            f"| {saved / MiB:.0f} MiB ({100 * saved / between:.0f}%) | {r['median_step_s']:.2f} "
-            f"| {r['median_step_s'] / base['median_step_s']:.2f}x |"
-        )
-    return "\n".join(lines)
+        rows.append(
+            [mode, f"{r['rss_between_steps'] / bm.MIB:.0f}",
+             f"{r['peak_rss_last_step'] / bm.MIB:.0f}",
+             f"{saved / bm.MIB:.0f} MiB ({100 * saved / between:.0f}%)",
+             f"{r['median_step_s']:.2f}", bm.ratio(r["median_step_s"], base["median_step_s"])]
+        )  # fmt: skip
+    return "\n".join([head, "", *bm.md_table(columns, rows, "llllll")])
 
 
 if __name__ == "__main__":

@@ -9,22 +9,15 @@ data, per-block units plus the root, and AdamW.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
-import json
-import os
-import resource
-import statistics
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+import bench_measure as bm
 import torch
 import torch.distributed as dist
-from bench_measure import count_collectives, peak_from_profile
 from torch import nn
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
 import fsdp_lite
 from fsdp_lite.testing.models import GPT, Block, GPTConfig
@@ -54,7 +47,7 @@ class BenchConfig:
     threads: int = 1  # torch intra-op threads per rank
     seed: int = 1234
     lr: float = 1e-3
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # a collective's, before the process group fails it
 
     def gpt_config(self) -> GPTConfig:
         return tied_gpt_config(self)
@@ -158,8 +151,9 @@ def _wrap(system: str, precision: str, cfg: BenchConfig, device: torch.device) -
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
 
 
-def make_batches(cfg: BenchConfig, rank: int, n: int, device: torch.device) -> list[tuple]:
-    """``n`` (inputs, targets) batches of random tokens, the same for every system."""
+def make_batches(cfg: Any, rank: int, n: int, device: torch.device) -> list[tuple]:
+    """``n`` (inputs, targets) batches of random tokens, the same for every system, from a
+    config's seed, vocab, batch and seq (``BenchConfig``, ``bench_muon.MuonBenchConfig``)."""
     g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     tokens = torch.randint(cfg.vocab, (n, cfg.batch, cfg.seq + 1), generator=g)
     return [(t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)) for t in tokens]
@@ -202,24 +196,23 @@ def timed_pass(
     losses: list[float] = []
     for i in range(cfg.warmup):
         losses.append(train_step(model, opt, batches[i], autocast).item())
-    lib = LibraryAccounting(system)
+    lib = bm.LibraryAccounting(system)
     times: list[float] = []
-    cpu_times: list[float] = []  # CPU time of all this rank's threads: robust to a busy machine
-    with count_collectives() as counts:
+    cpu_times: list[float] = []
+    with bm.count_collectives() as counts:
         for i in range(cfg.warmup, cfg.warmup + cfg.steps):
             lib.before_step()
-            t0, c0 = time.perf_counter(), time.process_time()
+            watch = bm.Stopwatch()
             loss = train_step(model, opt, batches[i], autocast)
-            times.append(time.perf_counter() - t0)
-            cpu_times.append(time.process_time() - c0)
+            times.append(watch.wall())
+            cpu_times.append(watch.cpu())
             lib.after_step()
             losses.append(loss.item())
-    comm = {k: {f: v / cfg.steps for f, v in c.items()} for k, c in counts.items()}
     return {
         "step_times_s": times,
         "step_cpu_s": cpu_times,
         "losses": losses,
-        "comm_per_step": comm,
+        "comm_per_step": bm.per_step(counts, cfg.steps),
         "library": lib.summary(times, model),
         "num_params_local": sum(p.numel() for p in model.parameters()),
     }
@@ -234,117 +227,28 @@ def profiled_pass(
     is the tensor memory live on this rank; the peak is taken inside the steps after the
     first (the first one allocates the optimizer state).
     """
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     autocast = system == "ddp" and precision == "bf16"
-    with profile(activities=acts, profile_memory=True) as prof:
+    with bm.memory_profile(device) as prof:
         model = build_system(system, precision, cfg, device)
         opt = _make_optimizer(model, cfg)
         for i in range(cfg.profile_steps):
             with record_function("bench::step"):
                 train_step(model, opt, batches[i % len(batches)], autocast)
         del model, opt
-    return peak_from_profile(prof, device)
-
-
-# -- fsdp_lite's own accounting ------------------------------------------------------------
-
-
-class LibraryAccounting:
-    """fsdp_lite's own per-step figures, read through whatever API this version offers.
-
-    ``fsdp_lite.stats()`` / ``reset_stats()`` (bytes, exposed communication, peak full
-    parameter bytes) when present, else ``comm_stats()`` / ``reset_comm_stats()``; nothing
-    for the other systems. Reset before and read after each timed step, outside the timing.
-    """
-
-    def __init__(self, system: str) -> None:
-        self.api = ""
-        self.read: Callable[[], Any] | None = None
-        self.reset: Callable[[], Any] | None = None
-        self.steps: list[Any] = []
-        pairs = [("stats", "reset_stats"), ("comm_stats", "reset_comm_stats")]
-        for read, reset in pairs if system.startswith("fsdp_lite") else []:
-            fns = getattr(fsdp_lite, read, None), getattr(fsdp_lite, reset, None)
-            if all(callable(fn) for fn in fns):
-                self.api, (self.read, self.reset) = read, fns
-                break
-
-    def before_step(self) -> None:
-        if self.reset is not None:
-            self.reset()
-
-    def after_step(self) -> None:
-        if self.read is not None:
-            self.steps.append(_jsonable(self.read()))
-
-    def summary(self, step_times: list[float], model: nn.Module) -> dict[str, Any]:
-        """The last step's figures, exposed communication over all steps, and the root's
-        ``memory_stats()`` after the last step, as far as the library reports them."""
-        if not self.steps:
-            return {}
-        last = self.steps[-1]
-        out: dict[str, Any] = {"api": f"fsdp_lite.{self.api}()", "last_step": last}
-        if callable(getattr(model, "memory_stats", None)):
-            out["memory_stats"] = _jsonable(model.memory_stats())
-        exposed = [s.get("exposed_s") for s in self.steps if isinstance(s, dict)]
-        if exposed and all(isinstance(e, (int, float)) for e in exposed):
-            out["exposed_s_median"] = statistics.median(exposed)
-            out["exposed_fraction"] = sum(exposed) / sum(step_times)
-        peaks = [s.get("full_bytes_peak") for s in self.steps if isinstance(s, dict)]
-        if peaks and all(isinstance(p, (int, float)) for p in peaks):
-            out["full_bytes_peak"] = max(peaks)
-        return out
-
-
-def _jsonable(x: Any) -> Any:
-    if hasattr(x, "__dataclass_fields__"):
-        x = asdict(x)
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, torch.Tensor):
-        return x.tolist()
-    if isinstance(x, (int, float, str, bool)) or x is None:
-        return x
-    return repr(x)
+    return bm.peak_from_profile(prof, device)
 
 
 # -- a rank --------------------------------------------------------------------------------
 
 
-def rank_main(
-    rank: int,
-    world: int,
-    system: str,
-    precision: str,
-    cfg: BenchConfig,
-    init_file: str,
-    out_dir: str,
-) -> None:
-    """Entry point of one spawned rank: timed pass, then profiled pass; result as JSON."""
-    torch.set_num_threads(cfg.threads)
-    os.environ["LOCAL_RANK"] = str(rank)
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=cfg.timeout_s),
-        **({"device_id": device} if cuda else {}),
-    )
-    try:
-        batches = make_batches(cfg, rank, cfg.warmup + cfg.steps, device)
-        result = timed_pass(system, precision, cfg, device, batches)
-        result["rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
-        gc.collect()
-        dist.barrier()
-        result["memory"] = profiled_pass(system, precision, cfg, device, batches)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+def rank_main(rank: int, world: int, system: str, precision: str, cfg: BenchConfig) -> dict:
+    """One rank of a case (``bench_measure.spawn_ranks`` runs it): timed pass, then
+    profiled pass."""
+    device = bm.rank_device()
+    batches = make_batches(cfg, rank, cfg.warmup + cfg.steps, device)
+    result = timed_pass(system, precision, cfg, device, batches)
+    result["rss_peak_bytes"] = bm.max_rss_bytes()
+    gc.collect()
+    dist.barrier()
+    result["memory"] = profiled_pass(system, precision, cfg, device, batches)
+    return result
