@@ -2,7 +2,8 @@
 
 A unit knows nothing of the units around it: its ``Root`` (``root.py``) calls these
 steps in order, decides what to prefetch and what to keep, and holds the reduce-scatters
-in flight. Calls go one way: root -> unit -> flat param -> collectives.
+in flight. Calls go one way: root -> unit -> flat param -> collectives. Outside the
+step, ``addons/summon.py`` moves a unit in and out of SUMMON_FULL_PARAMS.
 
     start_forward    check the state and requires_grad; FORWARD
     unshard          issue the gathers (a prefetch), wait_unshard completes them
