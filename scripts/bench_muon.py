@@ -204,7 +204,7 @@ def build_case(case: str, cfg: MuonBenchConfig) -> tuple[nn.Module, list[Optimiz
         model,
         process_group=group,
         auto_wrap_policy=fsdp_lite.wrap.by_type(Block),
-        whole_params=whole,
+        optimizer_params="whole" if whole else "flat",
     )
     if case != CASES[2]:
         params = list(model.parameters())

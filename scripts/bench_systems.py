@@ -25,8 +25,11 @@ from fsdp_lite.testing.models import GPT, Block, GPTConfig
 SYSTEMS = ("fsdp_lite", "fsdp_lite-nocheck", "fsdp2", "fsdp1", "ddp")
 # fsdp_lite-nocheck: fsdp_lite with its divergence check off, to price the check.
 # fsdp_lite-orig / fsdp_lite-whole (not in SYSTEMS; bench_host uses them): the optimizer
-# over use_orig_params pieces / whole_params parameters instead of flat shards.
-LAYOUTS = {"fsdp_lite-orig": {"use_orig_params": True}, "fsdp_lite-whole": {"whole_params": True}}
+# over pieces of the original parameters / whole parameters instead of flat shards.
+LAYOUTS = {
+    "fsdp_lite-orig": {"optimizer_params": "pieces"},
+    "fsdp_lite-whole": {"optimizer_params": "whole"},
+}
 PRECISIONS = ("fp32", "bf16")
 
 

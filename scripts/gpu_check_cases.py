@@ -89,7 +89,7 @@ def _muon(model: nn.Module) -> list[torch.optim.Optimizer]:
 
 def _whole_muon(name: str, device: torch.device) -> Run:
     # torch's Muon orthogonalizes in bf16: compared at the bf16 tolerance
-    return _run(name, device, "bf16", wrap_kw={"whole_params": True}, optimizers=_muon)
+    return _run(name, device, "bf16", wrap_kw={"optimizer_params": "whole"}, optimizers=_muon)
 
 
 def w1_checks(device: torch.device, tmp: str) -> list[tuple[str, Callable[[], str]]]:
