@@ -63,7 +63,8 @@ def register_hooks(unit: Unit) -> None:
         return root.pre_forward(unit, args, kwargs)
 
     def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        unit.root.post_forward(unit, output)
+        if unit.root is not None:  # None: making the root raised in the pre-hook
+            unit.root.post_forward(unit, output)
 
     disable = functools.partial(torch._dynamo.disable, recursive=True)
     unit.module.register_forward_pre_hook(disable(pre), prepend=True, with_kwargs=True)
@@ -91,15 +92,16 @@ class Root:
         units = [unit] + [u for m in unit.module.modules() if (u := unit_of(m)) is not None]
         names = {id(m): n for n, m in clean_named_modules(unit.module)}
         for u in units:
-            u.root, u.is_root = self, u is unit
             path = names.get(id(unwrap(u.module)), "")
             u.name = path or f"<root {type(u.module).__name__}>"
             for flat in u.flat_params:
                 flat.unit_name, flat.unit_key = u.name, id(u)
                 flat.placeholders = None  # placeholders made from now on name the unit
         for u in units:
+            check_replicas_agree(u)  # raises on every rank alike; the next forward checks again
+        for u in units:
             u.frozen_early = _frees_frozen_early(u, units)
-            check_replicas_agree(u)
+            u.root, u.is_root = self, u is unit
         self.unit = unit
         self.units = units  # every unit in the tree, the root first
         self.prefetch = unit.prefetch  # the root's policy applies to the whole tree
