@@ -59,10 +59,21 @@ def mark_overflow_agreed(optimizer: torch.optim.Optimizer) -> None:
     optimizer.__dict__[_AGREED_ATTR] = True
 
 
-def live_ddp_modules() -> list[nn.Module]:
-    """Every ``DistributedDataParallel`` module alive in this process (a scan of the
-    garbage collector's objects: on an error path only)."""
-    return [o for o in gc.get_objects() if isinstance(o, nn.parallel.DistributedDataParallel)]
+def loose_parameters(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The trainable ``params`` whose gradients nothing averages across ranks
+    (``unaveraged``). Only when some are found does it scan the process for the
+    ``DistributedDataParallel`` modules that may average them (the error path only)."""
+    loose = [params[i] for i in unaveraged(params, [])]
+    if loose:
+        ddp = [o for o in gc.get_objects() if isinstance(o, nn.parallel.DistributedDataParallel)]
+        loose = [loose[i] for i in unaveraged(loose, ddp)]
+    return loose
+
+
+def shapes_of(params: list[nn.Parameter]) -> str:
+    """The first few shapes, for an error message."""
+    shown = ", ".join(str(tuple(p.shape)) for p in params[:4])
+    return shown + (", ..." if len(params) > 4 else "")
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
@@ -107,14 +118,11 @@ def _refuse_cut_matrices(optimizer: torch.optim.Optimizer, params: list[nn.Param
 def _refuse_unaveraged(
     optimizer: torch.optim.Optimizer, params: list[nn.Parameter], ranks: int
 ) -> None:
-    loose = [params[i] for i in unaveraged(params, [])]
-    if loose:  # the error path only: DDP modules may average them
-        loose = [loose[i] for i in unaveraged(loose, live_ddp_modules())]
+    loose = loose_parameters(params)
     if loose:
-        shapes = ", ".join(str(tuple(p.shape)) for p in loose[:4])
         raise RuntimeError(
             f"this {type(optimizer).__name__} holds {len(loose)} trainable parameter(s) of no "
-            f"fsdp_lite unit (shapes {shapes}{', ...' if len(loose) > 4 else ''}) beside "
+            f"fsdp_lite unit (shapes {shapes_of(loose)}) beside "
             f"shards averaged over {ranks} ranks: nothing averages those parameters' "
             "gradients, so the ranks would silently diverge. Wrap the whole model -- "
             "FSDPModule(model, auto_wrap_policy=...) still makes each block its own unit"

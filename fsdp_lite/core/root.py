@@ -40,8 +40,7 @@ from torch import nn
 from fsdp_lite.core import accounting, collectives, divergence, schedule
 from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.nested import cast_floats, in_backward, tensors_in
-from fsdp_lite.core.optim_view import unaveraged
-from fsdp_lite.core.optimizer_check import live_ddp_modules
+from fsdp_lite.core.optimizer_check import loose_parameters, shapes_of
 from fsdp_lite.core.reduce import PendingGrad
 from fsdp_lite.core.state import TrainingState
 from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of, unwrap
@@ -255,15 +254,12 @@ class Root:
         if ranks == 1:
             return
         leaves = [t for t in _graph_leaves(args, kwargs) if isinstance(t, nn.Parameter)]
-        loose = [leaves[i] for i in unaveraged(leaves, [])]
-        if loose:  # the error path only: DDP modules may average them
-            loose = [loose[i] for i in unaveraged(loose, live_ddp_modules())]
+        loose = loose_parameters(leaves)
         if loose:
-            shapes = ", ".join(str(tuple(p.shape)) for p in loose[:4])
             raise RuntimeError(
                 f"fsdp_lite: the inputs of the root unit '{unit.name}' were computed from "
-                f"{len(loose)} trainable parameter(s) of no fsdp_lite unit (shapes {shapes}"
-                f"{', ...' if len(loose) > 4 else ''}): nothing averages their gradients "
+                f"{len(loose)} trainable parameter(s) of no fsdp_lite unit (shapes "
+                f"{shapes_of(loose)}): nothing averages their gradients "
                 f"across the {ranks} ranks, so the ranks would silently diverge. Wrap the "
                 "whole model -- FSDPModule(model, auto_wrap_policy=...) still makes each "
                 "block its own unit -- or freeze those parameters"
