@@ -7,8 +7,8 @@ The package by layer (imports point down: add-ons use the core, never the revers
 - ``fsdp.py``: ``FSDPModule``, the wrapper users hold, built from the core and offering
   the add-ons' state dicts and ``summon_full_params`` as methods;
 - ``addons/``: offload, activation checkpointing, compiled blocks, state dicts and
-  checkpoints (saving and loading), Hugging Face files, the grad scaler, OffloadModel,
-  the memory planner (``addons/planner/``, which wraps models and so sits on top);
+  checkpoints (saving and loading), Hugging Face files, the grad scaler, OffloadModel;
+- ``planner/``: the memory planner, which wraps models and so sits above ``fsdp.py``;
 - ``testing/``: the harness the tests and benchmarks share.
 """
 
@@ -27,13 +27,13 @@ from fsdp_lite.addons.hugging_face import load_pretrained, save_pretrained
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload, offload_optimizer_state
 from fsdp_lite.addons.offload_model import OffloadModel
 from fsdp_lite.addons.optim_state import full_optim_state_dict, load_full_optim_state_dict
-from fsdp_lite.addons.planner.estimate import estimate_memory, plan
 from fsdp_lite.core import deferred_init, wrap
 from fsdp_lite.core.accounting import reset_stats, stats
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.collectives import DivergenceError, PeerError, hybrid_groups
 from fsdp_lite.core.state import FSDPStateError
 from fsdp_lite.fsdp import FSDPModule
+from fsdp_lite.planner.estimate import estimate_memory, plan
 
 __all__ = [
     # wrap and train
@@ -76,8 +76,8 @@ _MOVED = {
     "make_viewless_tensor": "fsdp_lite.addons.activation_checkpointing",
     "set_divergence_check": "fsdp_lite.core.divergence",
     "TrainingState": "fsdp_lite.core.state",
-    "Plan": "fsdp_lite.addons.planner.estimate",
-    "MemoryEstimate": "fsdp_lite.addons.planner.estimate",
+    "Plan": "fsdp_lite.planner.estimate",
+    "MemoryEstimate": "fsdp_lite.planner.estimate",
 }
 
 

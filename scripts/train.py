@@ -181,7 +181,7 @@ def train(
 
 def _planner_estimate(
     cfg: Config, vocab_size: int, d: Dist, run_log: RunLog
-) -> fsdp_lite.addons.planner.estimate.MemoryEstimate | None:
+) -> fsdp_lite.planner.estimate.MemoryEstimate | None:
     """``fsdp_lite.estimate_memory`` for this run, or None (said in the log) if it cannot."""
     try:
         return train_memory.estimate(cfg, vocab_size, d)

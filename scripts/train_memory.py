@@ -25,9 +25,7 @@ import fsdp_lite
 from fsdp_lite.testing.memory import MemoryRecorder
 
 
-def estimate(
-    cfg: Config, vocab_size: int, d: Dist
-) -> fsdp_lite.addons.planner.estimate.MemoryEstimate:
+def estimate(cfg: Config, vocab_size: int, d: Dist) -> fsdp_lite.planner.estimate.MemoryEstimate:
     """One rank's peak over a step of this run, as the planner predicts it."""
     f, t = cfg.fsdp, cfg.train
     with torch.device("meta"):
@@ -88,7 +86,7 @@ def _live_tensor_bytes(model: nn.Module, opts: list[torch.optim.Optimizer]) -> i
     return sum(storages.values())
 
 
-def report(est: fsdp_lite.addons.planner.estimate.MemoryEstimate, measured: int) -> str:
+def report(est: fsdp_lite.planner.estimate.MemoryEstimate, measured: int) -> str:
     mib = 2**20
     parts = ", ".join(f"{k} {v / mib:.1f}" for k, v in est.breakdown.items() if v)
     return (

@@ -3,7 +3,7 @@ builds from them -- per unit, whether it keeps its full parameters after forward
 position of each order, which units that gather prefetches.
 
 Built by one function from plain facts, so the step (``root.py``) and the memory
-planner's replay (``addons/planner/replay.py``) follow the same schedule instead of each
+planner's replay (``planner/replay.py``) follow the same schedule instead of each
 holding a copy of its rules.
 """
 

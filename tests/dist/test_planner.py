@@ -9,7 +9,7 @@ the estimate for a fresh meta-device copy of the model. A fake process group can
 once per process, so each world size runs in its own subprocess (this file, run as a script).
 
 The compute device is the CPU here, so offloaded shards, grads and optimizer state live in
-the memory measured, and the estimate counts them (see ``fsdp_lite.addons.planner.estimate``).
+the memory measured, and the estimate counts them (see ``fsdp_lite.planner.estimate``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 import fsdp_lite
 from fsdp_lite.addons.activation_checkpointing import CheckpointWrapper
-from fsdp_lite.addons.planner.estimate import default_loss
+from fsdp_lite.planner.estimate import default_loss
 from fsdp_lite.core import ownership
 from fsdp_lite.testing.memory import MemoryRecorder
 from fsdp_lite.testing.models import GPT, Block, GPTConfig
@@ -173,7 +173,7 @@ def measure(case: Case) -> int:
     return rec.peak_bytes
 
 
-def estimate(case: Case) -> fsdp_lite.addons.planner.estimate.MemoryEstimate:
+def estimate(case: Case) -> fsdp_lite.planner.estimate.MemoryEstimate:
     model, block = _build(case)
     return fsdp_lite.estimate_memory(
         model,
@@ -207,7 +207,7 @@ def _plan_row(world: int) -> dict:
     return _row(name, chosen.estimate, rec.peak_bytes, budget=budget)
 
 
-def _row(name: str, est: fsdp_lite.addons.planner.estimate.MemoryEstimate, measured: int, **extra: object) -> dict:
+def _row(name: str, est: fsdp_lite.planner.estimate.MemoryEstimate, measured: int, **extra: object) -> dict:
     return {
         "name": name,
         "estimate": est.peak_bytes,
@@ -359,7 +359,7 @@ def test_layout_matches_wrapping(world1: None) -> None:
     """The units and flat params the planner works out are those FSDPModule builds: a
     size-based policy (it counts only parameters no nested unit took), a tied embedding,
     and the root taking what is left."""
-    from fsdp_lite.addons.planner.layout import layout_units
+    from fsdp_lite.planner.layout import layout_units
     from fsdp_lite.core.tree import units_of
 
     policy = fsdp_lite.wrap.by_size(3000)

@@ -47,7 +47,7 @@ def _graph(with_typing: bool = False) -> dict[str, set[str]]:
 
 
 def _layer(name: str) -> str:
-    for prefix in ("fsdp_lite.core", "fsdp_lite.addons.planner", "fsdp_lite.addons"):
+    for prefix in ("fsdp_lite.core", "fsdp_lite.planner", "fsdp_lite.addons"):
         if name.startswith(prefix):
             return prefix
     return name
@@ -56,9 +56,9 @@ def _layer(name: str) -> str:
 def test_core_and_addons_import_only_downwards() -> None:
     forbidden = {
         "fsdp_lite.core": ("fsdp_lite.addons", "fsdp_lite.fsdp", "fsdp_lite.testing"),
-        "fsdp_lite.fsdp": ("fsdp_lite.addons.planner", "fsdp_lite.testing"),
-        "fsdp_lite.addons": ("fsdp_lite.addons.planner", "fsdp_lite.testing"),
-        "fsdp_lite.addons.planner": ("fsdp_lite.testing",),
+        "fsdp_lite.fsdp": ("fsdp_lite.planner", "fsdp_lite.testing"),
+        "fsdp_lite.addons": ("fsdp_lite.planner", "fsdp_lite.testing"),
+        "fsdp_lite.planner": ("fsdp_lite.testing",),
     }
     bad = []
     for name, deps in _graph().items():

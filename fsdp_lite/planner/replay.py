@@ -22,7 +22,7 @@ Each term is one named line of the breakdown, each following one place of the co
 - ``gradients``: the reduce-scatter outputs (shard-sized, reduce dtype) waiting in
   ``Root.pending`` for the end of backward, then the fp32 shard grads they become
   (``PendingGrad.finish``; a copy where the reduce dtype is not the master dtype).
-- ``activations``, ``backward_temporaries``: (traced) see ``addons/planner/trace.py``.
+- ``activations``, ``backward_temporaries``: (traced) see ``planner/trace.py``.
 - ``optimizer_temporaries``: what the optimizer step allocates: AdamW's ``denom`` (a square
   root and a quotient per shard, while the previous shard's ``denom`` is still held) or,
   with ``foreach`` (the default on CUDA), one square root per shard element at once.
@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fsdp_lite.addons.planner.layout import FlatLayout, UnitLayout
-from fsdp_lite.addons.planner.storage import CATEGORIES, Mark
-from fsdp_lite.addons.planner.trace import StepTrace
 from fsdp_lite.core import reduce, schedule
 from fsdp_lite.core.api import PrefetchPolicy
+from fsdp_lite.planner.layout import FlatLayout, UnitLayout
+from fsdp_lite.planner.storage import CATEGORIES, Mark
+from fsdp_lite.planner.trace import StepTrace
 
 TERMS = (
     "shards",

@@ -37,13 +37,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_lite.addons.activation_checkpointing import apply_activation_checkpointing
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
-from fsdp_lite.addons.planner.layout import UnitLayout, layout_units, own_whole_params
-from fsdp_lite.addons.planner.replay import TERMS, ReplayConfig, replay
-from fsdp_lite.addons.planner.trace import StepTrace, trace_step
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy, resolve_optimizer_params
 from fsdp_lite.core.nested import tensors_in
 from fsdp_lite.core.wrap import Policy
+from fsdp_lite.fsdp import FSDPModule
+from fsdp_lite.planner.layout import UnitLayout, layout_units, own_whole_params
+from fsdp_lite.planner.replay import TERMS, ReplayConfig, replay
+from fsdp_lite.planner.trace import StepTrace, trace_step
 
 _MiB = 2**20
 _OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
@@ -114,9 +116,6 @@ class Plan:
     def wrap(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         """``FSDPModule(model, **fsdp_kwargs(), **kwargs)``, each unit's module checkpointed
         first when the plan says so."""
-        from fsdp_lite.addons.activation_checkpointing import apply_activation_checkpointing
-        from fsdp_lite.fsdp import FSDPModule
-
         ac = self.activation_checkpointing
         if ac is True:
             apply_activation_checkpointing(model, self.auto_wrap_policy)

@@ -27,7 +27,7 @@ What the trace counts, by category:
 
 The full buffers themselves, the buffers, and everything that lives outside the autograd
 graph (shards, shard grads, optimizer state, communication buffers) are left to the replay
-of fsdp_lite's step (``addons/planner/replay.py``).
+of fsdp_lite's step (``planner/replay.py``).
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_lite.addons.planner.layout import FlatLayout, UnitLayout
-from fsdp_lite.addons.planner.storage import (
+from fsdp_lite.core.api import MixedPrecision
+from fsdp_lite.core.nested import cast_floats, in_backward, tensors_in
+from fsdp_lite.planner.layout import FlatLayout, UnitLayout
+from fsdp_lite.planner.storage import (
     ACTIVATIONS,
     BACKWARD_TEMPORARIES,
     FULL_GRADIENTS,
@@ -53,8 +55,6 @@ from fsdp_lite.addons.planner.storage import (
     Mark,
     StorageTracker,
 )
-from fsdp_lite.core.api import MixedPrecision
-from fsdp_lite.core.nested import cast_floats, in_backward, tensors_in
 
 
 @dataclass
