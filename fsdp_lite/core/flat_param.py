@@ -96,7 +96,7 @@ class FlatParam:
         # An all-gather in flight into full_data, and its send buffer (kept alive until done).
         self._gather: collectives.Handle | None = None
         self._gather_send: torch.Tensor | None = None
-        # Accounting: the owning unit's name (set at lazy init) and identity.
+        # Accounting: the owning unit's name (set when its Root is made) and identity.
         self.unit_name: str | None = None
         self.unit_key = 0
         # One FreedParameter per slot, at its locations whenever full_data is freed.
