@@ -103,6 +103,8 @@ class Root:
             u.root, u.is_root = self, u is unit
         self.unit = unit
         self.units = units  # every unit in the tree, the root first
+        # Where the tree's shards live, each home once (units may share one).
+        self.homes = list({id(f.home): f.home for u in units for f in u.flat_params}.values())
         self.prefetch = unit.prefetch  # the root's policy applies to the whole tree
         self.forward_order: schedule.ExecOrder[Unit] = schedule.ExecOrder("forward")
         self.backward_order: schedule.ExecOrder[Unit] = schedule.ExecOrder("backward")
@@ -181,7 +183,7 @@ class Root:
             if unit.state is TrainingState.IDLE:
                 unit.reshard()
         self.prefetched.clear()
-        for home in self._homes():
+        for home in self.homes:
             home.end_of_forward()
 
     def _recover_if_interrupted(self) -> None:
@@ -280,10 +282,6 @@ class Root:
             other.unshard(async_op=True)
         unit.wait_unshard()
 
-    def _homes(self) -> list:
-        """The root's homes, each once (units may share one)."""
-        return list({id(f.home): f.home for u in self.units for f in u.flat_params}.values())
-
     # -- backward --------------------------------------------------------------------
 
     def _hook_outputs(self, unit: Unit, output: Any) -> None:
@@ -354,7 +352,7 @@ class Root:
             for pending in self.pending:
                 pending.finish()
             self.pending.clear()
-            for home in self._homes():
+            for home in self.homes:
                 home.end_of_backward()
             for unit in self.units:
                 for flat in unit.flat_params:
