@@ -314,15 +314,6 @@ class FlatParam:
             self.shard.grad = self.orig_params.fold()
         self.home.accumulate_grad(self.shard, grad)
 
-    def load_full(self, flat: torch.Tensor) -> None:
-        """Overwrite this rank's shard from an unpadded full flat tensor (no communication)."""
-        start, end = self.rank_range()
-        piece = flat[start : min(end, self.numel)]
-        self.home.before_host_write(self.shard)
-        with torch.no_grad():
-            self.shard.zero_()
-            self.shard[: piece.numel()].copy_(piece)
-
     # -- gradients ---------------------------------------------------------------
 
     def take_grad(self) -> torch.Tensor | None:
