@@ -147,7 +147,7 @@ class FSDPModule(nn.Module):
         self.__dict__[UNIT_ATTR] = unit
         if plan.init_plan is None and deferred_init.has_meta_tensors(module):
             plan = dataclasses.replace(
-                plan, init_plan=self._plan_deferred_init(module, o.param_init_fn)
+                plan, init_plan=self._plan_deferred_init(module, o)
             )
         # The outermost unit plans whole params' owners for its tree.
         if o.optimizer_params == "whole" and plan.owners is None:
@@ -393,16 +393,16 @@ class FSDPModule(nn.Module):
                 names.add(o.name)
         self.__dict__["_orig_param_names"] = frozenset(names)
 
-    def _plan_deferred_init(
-        self, module: nn.Module, init_fn: Callable[[nn.Module], None] | None
-    ) -> deferred_init.InitPlan:
+    def _plan_deferred_init(self, module: nn.Module, o: _Options) -> deferred_init.InitPlan:
         def rank0_state(state: object) -> object:
+            if o.sync_module_states:  # the values come from rank 0, which may build for real
+                return state
             for group in (self.replicate_group, self.process_group):
                 if group is not None:
                     state = collectives.broadcast_object(state, group)
             return state
 
-        return deferred_init.make_plan(module, init_fn, self.device, rank0_state)
+        return deferred_init.make_plan(module, o.param_init_fn, self.device, rank0_state)
 
     @property
     def _unit(self) -> Unit:

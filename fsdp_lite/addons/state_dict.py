@@ -56,28 +56,37 @@ def flat_params(root: nn.Module) -> list[FlatParam]:
     return [flat for unit in units_of(root) for flat in unit.flat_params]
 
 
+def _groups(root: nn.Module) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup | None]:
+    """The model's shard and replicate groups: its root unit's, or (a plain module holding
+    units) its first unit's."""
+    units = units_of(root)
+    if not units:
+        raise ValueError(f"{type(root).__name__} holds no fsdp_lite.FSDPModule")
+    return units[0].process_group, units[0].replicate_group
+
+
 def is_rank0(root: nn.Module) -> bool:
     """Rank 0 of the model's ranks: of its shard group and, with hybrid sharding, of its
     replicate group too (global rank 0 for ``fsdp_lite.hybrid_groups``)."""
-    replicate = getattr(root, "replicate_group", None)
+    group, replicate = _groups(root)
     first_replica = replicate is None or collectives.rank(replicate) == 0
-    return collectives.rank(root.process_group) == 0 and first_replica
+    return collectives.rank(group) == 0 and first_replica
 
 
 def broadcast_from_rank0(root: nn.Module, tensor: torch.Tensor) -> None:
     """In place, from ``is_rank0``'s rank to every rank of the model (collective): across
     the replicas first (between the shard groups' rank 0s), then within each shard group."""
-    replicate = getattr(root, "replicate_group", None)
-    if replicate is not None and collectives.rank(root.process_group) == 0:
+    group, replicate = _groups(root)
+    if replicate is not None and collectives.rank(group) == 0:
         collectives.broadcast(tensor, replicate)
-    collectives.broadcast(tensor, root.process_group)
+    collectives.broadcast(tensor, group)
 
 
 def broadcast_object_from_rank0(root: nn.Module, obj: Any) -> Any:
-    replicate = getattr(root, "replicate_group", None)
-    if replicate is not None and collectives.rank(root.process_group) == 0:
+    group, replicate = _groups(root)
+    if replicate is not None and collectives.rank(group) == 0:
         obj = collectives.broadcast_object(obj, replicate)
-    return collectives.broadcast_object(obj, root.process_group)
+    return collectives.broadcast_object(obj, group)
 
 
 # -- where a rank's shard sits in the original parameters -------------------------

@@ -38,8 +38,7 @@ def summon_full_params(
     recurse: bool = True,
 ) -> Iterator[None]:
     """See ``FSDPModule.summon_full_params``. Collective on entry (one all-gather per flat
-    param); exit communicates only to refresh full buffers kept alive by
-    ``reshard_after_forward=False``."""
+    param); exit does not communicate."""
     if rank0_only and writeback:
         raise ValueError(
             "summon_full_params(rank0_only=True, writeback=True) is not supported: only "
@@ -56,6 +55,10 @@ def summon_full_params(
     flats = [flat for unit in units for flat in unit.flat_params]
     saved: list[_Saved] = []
     for unit in units:
+        # Full parameters kept from a forward (the root's, reshard_after_forward=False) are
+        # freed first, as the root's next forward would: a backward of that forward still
+        # to come gathers them again, from the shards as they are after the summon.
+        unit.reshard()
         unit.state = TrainingState.SUMMON_FULL_PARAMS
     try:
         for flat in flats:
@@ -127,9 +130,6 @@ def _write_back(flat: FlatParam) -> None:
             )
         values[i] = value.detach()
     write_shard(flat.shard, flat, values)
-    if flat.is_unsharded:  # reshard_after_forward=False kept the full buffer: refresh it
-        flat.reshard()
-        flat.unshard()
 
 
 def _uninstall(saved: _Saved) -> None:

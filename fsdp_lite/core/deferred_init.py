@@ -145,9 +145,7 @@ def _hf_init(module: nn.Module, chain: list[HFInit]) -> None:
 
 
 def _initialize(module: nn.Module, plan: InitPlan, name: str) -> None:
-    if plan.init_fn is not None:
-        plan.init_fn(module)
-        return
+    """fsdp_lite's default init, on ``module``'s own tensors made real (``_scratch``)."""
     chain = plan.hf.get(id(module), [])
     if hasattr(module, "reset_parameters"):
         module.reset_parameters()
@@ -158,6 +156,45 @@ def _initialize(module: nn.Module, plan: InitPlan, name: str) -> None:
             "fn(module) initializes that module's own parameters and buffers"
         )
     _hf_init(module, chain)
+
+
+class _EmptyIsNaN(TorchDispatchMode):
+    """Within the block, every new floating-point tensor made with ``empty`` (what
+    ``to_empty`` allocates) is NaN, never whatever memory held: storage no init writes
+    stays NaN, which the first forward refuses (``unit_init.check_initialized``)."""
+
+    _EMPTY = frozenset(
+        {
+            torch.ops.aten.empty_like.default,
+            torch.ops.aten.empty.memory_format,
+            torch.ops.aten.empty_strided.default,
+            torch.ops.aten.new_empty.default,
+            torch.ops.aten.new_empty_strided.default,
+        }
+    )
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: object,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> object:
+        out = func(*args, **(kwargs or {}))
+        if func in self._EMPTY and out.is_floating_point() and not out.is_meta:
+            out.fill_(math.nan)
+        return out
+
+
+def _user_init(module: nn.Module, plan: InitPlan) -> bool:
+    """Call ``param_init_fn`` on ``module`` with its own tensors still on the meta device,
+    as FSDP1 does (its users' functions test ``is_meta`` and call ``to_empty`` and
+    ``reset_parameters`` themselves). True if the function materialized them all; False
+    if it left some on meta (a function that writes into real tensors, or ``no_init``):
+    the caller then gives them real, NaN-filled storage and calls it again."""
+    with _EmptyIsNaN():
+        plan.init_fn(module)
+    return not _has_own_meta(module)
 
 
 def _check_written(module: nn.Module, name: str, fresh: list[str]) -> None:
@@ -200,6 +237,8 @@ def _rebuild_buffers(module: nn.Module, plan: InitPlan, name: str) -> dict[str, 
             with _scratch(module, plan.device, fill=fill):
                 if chain:
                     _hf_init(module, chain)
+                elif plan.init_fn is not None:
+                    plan.init_fn(module)
                 else:
                     _initialize(module, plan, name)
                 runs.append({a: module._buffers[a] for a in attrs})
@@ -238,18 +277,32 @@ def make_plan(
                 if rebuilt := _rebuild_buffers(module, plan, name):
                     plan.rebuilt[id(module)] = rebuilt
                 plan.states[id(module)] = devices.rng_state(device)
-                with _scratch(module, device, fill=_default_fill(plan)) as fresh:
+                if init_fn is not None:  # on a copy: the RNG advances as it will
+                    _user_init_on_copy(module, plan)
+                    continue
+                with _scratch(module, device, fill=math.nan) as fresh:
                     _initialize(module, plan, name)
-                    if init_fn is None:
-                        _check_written(module, name, fresh)
+                    _check_written(module, name, fresh)
     finally:
         devices.set_rng_state(own, device)
     return plan
 
 
-def _default_fill(plan: InitPlan) -> float | None:
-    """NaN marks storage a default init must write; a ``param_init_fn``'s is left empty."""
-    return math.nan if plan.init_fn is None else None
+def _user_init_on_copy(module: nn.Module, plan: InitPlan) -> None:
+    """Run ``param_init_fn`` as ``materialize`` will (``_user_init``, then on real storage
+    if it left meta tensors), on a shallow copy of ``module`` whose own tensors are meta
+    copies: nothing of the model changes, the RNG advances as it will then."""
+    copy = module.__new__(type(module))
+    copy.__dict__ = dict(module.__dict__)
+    copy._parameters = {
+        a: None if p is None else nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+        for a, p in module._parameters.items()
+    }
+    copy._buffers = {a: None if b is None else b.to("meta") for a, b in module._buffers.items()}
+    copy._modules = dict(module._modules)
+    if not _user_init(copy, plan):
+        with _scratch(copy, plan.device, fill=math.nan):
+            plan.init_fn(copy)
 
 
 class _scratch:
@@ -310,10 +363,23 @@ def materialize(module: nn.Module, name: str, plan: InitPlan) -> None:
             for p in module._parameters.values()
             if p is not None and p.is_meta and plan.owner.get(id(p)) == id(module)
         }
-        with _scratch(module, plan.device, fill=_default_fill(plan)):
-            _initialize(module, plan, name)
+        metas, meta_buffers = dict(module._parameters), dict(module._buffers)
+        if plan.init_fn is not None and _user_init(module, plan):
             values = {a: p for a, p in module._parameters.items() if p is not None}
             buffers = {a: b for a, b in module._buffers.items() if b is not None}
+        else:  # a default init, or a param_init_fn that writes into real storage
+            module._parameters.update(metas)
+            module._buffers.update(meta_buffers)
+            devices.set_rng_state(state, plan.device)
+            with _scratch(module, plan.device, fill=math.nan):
+                if plan.init_fn is not None:
+                    plan.init_fn(module)
+                else:
+                    _initialize(module, plan, name)
+                values = {a: p for a, p in module._parameters.items() if p is not None}
+                buffers = {a: b for a, b in module._buffers.items() if b is not None}
+        module._parameters.update(metas)  # each registration of a tie is set below
+        module._buffers.update(meta_buffers)
         buffers.update(plan.rebuilt.pop(id(module), {}))
         for attr, p in list(module._parameters.items()):  # parameters this module owns
             if p is not None and id(p) in owned:

@@ -45,7 +45,7 @@ from fsdp_lite.core.reduce import PendingGrad
 from fsdp_lite.core.state import TrainingState
 from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of, unwrap
 from fsdp_lite.core.unit import Unit, outside_inference_mode
-from fsdp_lite.core.unit_init import check_replicas_agree
+from fsdp_lite.core.unit_init import check_initialized, check_replicas_agree
 
 
 def register_hooks(unit: Unit) -> None:
@@ -96,8 +96,9 @@ class Root:
             for flat in u.flat_params:
                 flat.unit_name, flat.unit_key = u.name, id(u)
                 flat.placeholders = None  # placeholders made from now on name the unit
-        for u in units:
-            check_replicas_agree(u)  # raises on every rank alike; the next forward checks again
+        for u in units:  # each raises on every rank alike; the next forward checks again
+            check_replicas_agree(u)
+            check_initialized(u)
         for u in units:
             u.frozen_early = _frees_frozen_early(u, units)
             u.root, u.is_root = self, u is unit

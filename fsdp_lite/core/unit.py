@@ -99,6 +99,8 @@ class Unit:
         self.watches: weakref.WeakSet = weakref.WeakSet()  # forward calls awaiting input grads
         self.grads_pending: set[int] = set()  # id of trainable flats not reduced this backward
         self.replicas_synced = False  # hybrid: sync_module_states broadcast rank 0's values
+        # Built on meta by a param_init_fn: its first forward refuses storage no init wrote.
+        self.check_init = False
 
     def own(self, flats: list[FlatParam]) -> None:
         self.flat_params = flats

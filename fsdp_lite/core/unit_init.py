@@ -150,6 +150,8 @@ def build_flat_params(
     owned = _flattened_by_nested(module)
     names = {id(m): n for n, m in clean_named_modules(module)}
     if init_plan is not None:  # deferred init: this unit's modules only, now
+        # sync_module_states: every rank gets rank 0's values, whatever its own init wrote
+        unit.check_init = init_plan.init_fn is not None and not sync
         for sub in region_modules(module):
             deferred_init.materialize(sub, names.get(id(sub), "?"), init_plan)
     groups: dict[tuple, list[tuple[ParamSlot, nn.Parameter]]] = {}
@@ -211,6 +213,42 @@ def check_replicas_agree(unit: Unit) -> None:
             "(rank 0's values are broadcast at wrap time), seed every rank the same before "
             "building the model, or load a checkpoint before training"
         )
+
+
+def check_initialized(unit: Unit) -> None:
+    """A unit whose modules a ``param_init_fn`` initialized on the meta device (``no_init``
+    included): at the first forward, refuse parameters still NaN, the storage no init and no
+    load wrote (``deferred_init._EmptyIsNaN``). One small all-reduce per such unit, once."""
+    if not unit.check_init:
+        return
+    device = collectives.comm_device(unit.process_group, unit.device)
+    nan = torch.stack(
+        [flat.shard.detach().isnan().any().to(device, torch.float32) for flat in unit.flat_params]
+        or [torch.zeros((), device=device)]
+    )
+    for group in (unit.process_group, unit.replicate_group):
+        if group is not None:
+            collectives.all_reduce(nan, group, op="max", kind="init_check")
+    if not bool(nan.any()):
+        unit.check_init = False
+        return
+    local = [
+        flat.slots[i].name
+        for flat in unit.flat_params
+        for i, lo, hi, at in flat.pieces()
+        if flat.shard.detach()[at : at + hi - lo].isnan().any()
+    ]
+    every = collectives.all_gather_object(local, unit.process_group)
+    names = sorted({name for names in every for name in names})
+    raise RuntimeError(
+        f"fsdp_lite: unit '{unit.name}' was built on the meta device and, at its first "
+        f"forward, parameters {names[:8]}{' ...' if len(names) > 8 else ''} hold storage "
+        "that no init wrote (NaN): the param_init_fn left them uninitialized (to_empty "
+        "alone, or no_init) and nothing was loaded since. Initialize them in param_init_fn (e.g. "
+        "module.to_empty(device=..., recurse=False); module.reset_parameters()), or load a "
+        "checkpoint (load_checkpoint, load_state_dict, load_pretrained) before the first "
+        "forward"
+    )
 
 
 def prepare_buffers(unit: Unit, module: nn.Module, sync: bool) -> None:
