@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,22 +14,31 @@ if TYPE_CHECKING:
 
 
 def total_norm(
-    grads: list[torch.Tensor], p: float, device: torch.device, group: collectives.ProcessGroup
+    grads: list[torch.Tensor],
+    p: float,
+    device: torch.device,
+    group: collectives.ProcessGroup,
+    whole: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """The ``p``-norm of ``grads`` over every rank's shards (an all-reduce): one
-    multi-tensor norm over this rank's shard grads (fp32), combined in fp32."""
+    """The ``p``-norm of ``grads`` over every rank's shards (an all-reduce) and of ``whole``
+    (gradients equal on every rank, counted once: ignored parameters'): one multi-tensor
+    norm over this rank's shard grads (fp32), combined in fp32."""
+    total = _local(grads, p, device)
+    collectives.all_reduce(total, group, op="max" if p == float("inf") else "sum")
+    if whole:
+        total = torch.stack([total, _local(list(whole), p, device)])
+        total = total.max() if p == float("inf") else total.sum()
+    return total if p == float("inf") else total ** (1.0 / p)
+
+
+def _local(grads: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
+    """max |g| (p = inf) or sum |g|^p over ``grads``, an fp32 scalar on ``device``."""
     if grads:
         norms = torch._foreach_norm(grads, p)
         local = torch.stack([n.to(device, torch.float32) for n in norms])
     else:
         local = torch.zeros(1, dtype=torch.float32, device=device)
-    if p == float("inf"):
-        total = local.max()
-        collectives.all_reduce(total, group, op="max")
-        return total
-    total = local.pow(p).sum()
-    collectives.all_reduce(total, group, op="sum")
-    return total ** (1.0 / p)
+    return local.max() if p == float("inf") else local.pow(p).sum()
 
 
 def nonfinite_units(

@@ -31,6 +31,14 @@ def units_of(root: nn.Module) -> list[Unit]:
 WRAPPED_ATTR = "_fsdp_lite_inner"
 # Set in the __dict__ of a module an FSDPModule has sharded (wrapped once, never again).
 SHARDED_FLAG = "_fsdp_lite_sharded"
+# Set in the __dict__ of a module an FSDPModule was told to leave alone (``ignored_modules``,
+# see ``ignored.py``): no unit flattens its subtree's parameters or casts its buffers.
+IGNORED_FLAG = "_fsdp_lite_ignored"
+
+
+def is_ignored(module: nn.Module) -> bool:
+    """Was ``module`` (with its subtree) left unsharded by an FSDPModule around it?"""
+    return bool(module.__dict__.get(IGNORED_FLAG))
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -61,12 +69,13 @@ def clean_named_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[s
 
 
 def region_modules(module: nn.Module) -> list[nn.Module]:
-    """``module`` and its descendants, not descending into nested units (each once)."""
+    """``module`` and its descendants, not descending into nested units nor into ignored
+    modules (each once): the modules whose parameters and buffers the unit manages."""
     out: list[nn.Module] = []
     seen: set[int] = set()
 
     def visit(m: nn.Module) -> None:
-        if id(m) in seen or unit_of(m) is not None:
+        if id(m) in seen or unit_of(m) is not None or (m is not module and is_ignored(m)):
             return
         seen.add(id(m))
         out.append(m)

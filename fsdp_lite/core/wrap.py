@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fsdp_lite.core.tree import unit_of
+from fsdp_lite.core.optim_view import replicated_ranks
+from fsdp_lite.core.tree import is_ignored, unit_of
 
 Policy = Callable[[nn.Module], bool]
 
@@ -126,7 +127,8 @@ def unowned_parameters(module: nn.Module):
     """``(module, attr, param)`` for parameters in ``module``'s tree not yet flattened by a unit.
 
     A unit's own registered parameters are its shards and are skipped; parameters left
-    inside a nested unit (ties deferred to an ancestor) are included.
+    inside a nested unit (ties deferred to an ancestor) are included; ignored ones
+    (``ignored.py``: left unsharded) are not.
     """
     seen: set[int] = set()
     for sub in module.modules(remove_duplicate=False):
@@ -134,7 +136,7 @@ def unowned_parameters(module: nn.Module):
             continue
         seen.add(id(sub))
         for attr, p in sub._parameters.items():
-            if p is not None:
+            if p is not None and replicated_ranks(p) is None:
                 yield sub, attr, p
 
 
@@ -195,8 +197,8 @@ def _visit(walk: _Walk, module: nn.Module, path: str) -> None:
         if id(child) in made:
             setattr(module, name, made[id(child)])
             continue
-        if _is_unit(child):
-            continue
+        if _is_unit(child) or is_ignored(child):
+            continue  # an ignored module's subtree is never a unit, nor any part of it
         child_path = f"{path}{name}"
         _visit(walk, child, child_path + ".")
         if isinstance(child, nn.ModuleList | nn.ModuleDict) or not walk.policy(child):
