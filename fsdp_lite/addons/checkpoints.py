@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from fsdp_lite.addons import atomic_dir
 from fsdp_lite.addons import optim_state as _optim
 from fsdp_lite.addons.state_dict import (
+    IncompatibleKeys,
     boxes,
     check_idle,
     expected_shapes,
@@ -99,10 +100,13 @@ def _of(src: torch.Tensor) -> Local:
     return lambda start, numel: src[start : start + numel]
 
 
-def _sharded_tensor(flat: FlatParam, i: int, local: Local, dtype: torch.dtype) -> ShardedTensor:
+def _sharded_tensor(
+    flat: FlatParam, i: int, local: Local, dtype: torch.dtype, device: torch.device | None = None
+) -> ShardedTensor:
     """Slot ``i`` of ``flat`` as a ShardedTensor whose local shards view ``local`` (no
-    communication: every rank computes every rank's boxes)."""
-    slot, device = flat.slots[i], flat.shard.device
+    communication: every rank computes every rank's boxes), on ``device`` (default: the
+    shard's)."""
+    slot, device = flat.slots[i], device or flat.shard.device
     ranks = collectives.global_ranks(flat.group)
     metas, shards = [], []
     first, last = flat.owner(slot.offset), flat.owner(slot.offset + slot.numel - 1)
@@ -135,10 +139,13 @@ def _whole(flat: FlatParam, i: int, local: Local, dtype: torch.dtype) -> torch.T
     return value.view(slot.shape)
 
 
-def _save_value(flat: FlatParam, i: int, local: Local, dtype: torch.dtype) -> Any:
+def _save_value(
+    flat: FlatParam, i: int, local: Local, dtype: torch.dtype, device: torch.device | None = None
+) -> Any:
     if len(flat.slots[i].shape) == 0 or flat.slots[i].numel == 0:
-        return _whole(flat, i, local, dtype)
-    return _sharded_tensor(flat, i, local, dtype)
+        whole = _whole(flat, i, local, dtype)
+        return whole if device is None else whole.to(device)
+    return _sharded_tensor(flat, i, local, dtype, device)
 
 
 def _load_dest(
@@ -162,14 +169,27 @@ def _load_dest(
 # -- what goes into a checkpoint ----------------------------------------------------
 
 
-def _model_items(model: nn.Module) -> dict[str, Any]:
+def _model_items(
+    model: nn.Module, prefix: str = "model.", copy: bool = False, to: torch.device | None = None
+) -> dict[str, Any]:
+    """Every key of the model's state dict under ``prefix``: ShardedTensors of this rank's
+    boxes (0-dim parameters whole), buffers as they are. The values view the shards
+    themselves (what ``save_checkpoint`` writes: no copy); with ``copy`` they view one copy
+    of each shard, made on ``to`` (default: the shard's device), and buffers are copied too
+    (the sharded state dict of ``FSDPModule.state_dict_type``: edits of either side stay
+    apart). Collective only for 0-dim parameters (broadcast from their owner)."""
     slots, tensors = state_dict_layout(model)
-    items = {
-        f"model.{k}": _save_value(flat, i, _of(flat.shard.detach()), flat.shard.dtype)
-        for k, (flat, i) in slots.items()
-    }
+    sources: dict[int, torch.Tensor] = {}
+    items: dict[str, Any] = {}
+    for k, (flat, i) in slots.items():
+        if id(flat) not in sources:
+            shard = flat.shard.detach()
+            sources[id(flat)] = shard.to(to or shard.device, copy=True) if copy else shard
+        src = sources[id(flat)]
+        items[prefix + k] = _save_value(flat, i, _of(src), flat.shard.dtype, src.device)
     for key, (tensor, dtype) in tensors.items():
-        items[f"model.{key}"] = tensor.detach().to(dtype)
+        value = tensor.detach()
+        items[prefix + key] = value.to(to or value.device, dtype, copy=copy)
     return items
 
 
@@ -401,6 +421,13 @@ def _model_dest(model: nn.Module, keys: dict, after: list[Callable], prefix: str
             f"skipped: {result.unexpected_keys}",
             stacklevel=3,
         )
+    return _dest_for(model, shapes, after, prefix)
+
+
+def _dest_for(model: nn.Module, shapes: dict[str, Any], after: list[Callable], prefix: str):
+    """Where a load should put each model key in ``shapes`` (under ``prefix``): values that
+    view a scratch copy of the shards (``after`` gets writers for whole 0-dim values), and
+    ``apply()``, which copies the scratch into the shards and the buffers into place."""
     slots, tensors = state_dict_layout(model)
     # Started from the current values: keys the checkpoint lacks (strict=False) keep them.
     scratch = {id(f): f.shard.detach().clone() for f, _ in slots.values()}
@@ -531,3 +558,93 @@ def _saved_groups(prefix: str, loaded: dict[str, Any], held: list[set[str]]) -> 
             )
         groups.append({**(hps[0] or {}), "params": sorted(names)})
     return groups
+
+
+# -- the sharded state dict (FSDPModule.state_dict_type) ---------------------------------
+
+
+def sharded_state_dict(model: nn.Module, offload_to_cpu: bool = False) -> dict[str, Any]:
+    """``model.state_dict()`` under ``SHARDED_STATE_DICT``: the model part of a checkpoint
+    (``_model_items``) keyed as the unwrapped model's state dict, for
+    ``torch.distributed.checkpoint``: ``dcp.save(sd, ...)``, or ``dcp.load(sd, ...)`` and
+    then ``model.load_state_dict(sd)``. Flattened parameters are ShardedTensors of this
+    rank's boxes, 0-dim ones and buffers whole; the values are copies (on CPU with
+    ``offload_to_cpu``), so ``dcp.load`` into them changes the model only at
+    ``load_state_dict``. Collective: call on every rank."""
+    check_idle(model, "produce a sharded state dict")
+    with _quiet_sharded_tensor():
+        return _model_items(
+            model, prefix="", copy=True, to=torch.device("cpu") if offload_to_cpu else None
+        )
+
+
+@torch.no_grad()
+def load_sharded_state_dict(
+    model: nn.Module, sd: dict[str, Any], strict: bool = True
+) -> IncompatibleKeys:
+    """``model.load_state_dict(sd)`` under ``SHARDED_STATE_DICT``: write a dict shaped as
+    ``sharded_state_dict`` returns (typically filled by ``dcp.load``) into the shards,
+    through what ``load_checkpoint`` loads the model with (``_dest_for``). Each
+    ShardedTensor must hold this rank's boxes, as one taken from a model wrapped the same
+    way does. Every rank raises alike on a mismatch, before anything is loaded."""
+    check_idle(model, "load a state dict")
+    if not isinstance(sd, dict):
+        raise TypeError(f"load_state_dict needs a dict, got {type(sd).__name__}")
+    with _quiet_sharded_tensor():
+        shapes = {
+            k: tuple(v.size()) for k, v in sd.items() if isinstance(v, ShardedTensor | torch.Tensor)
+        }
+    result = validate_keys(
+        expected_shapes(model), shapes, strict, "load_state_dict (SHARDED_STATE_DICT)"
+    )
+    after: list[Callable] = []
+    error = None
+    with _quiet_sharded_tensor():
+        dest, apply = _dest_for(model, shapes, after, prefix="")
+        try:
+            for key, target in dest.items():
+                _copy_sharded(key, target, sd[key])
+        except (TypeError, ValueError, RuntimeError) as exc:
+            error = str(exc)
+    errors = collectives.all_gather_object(error, model.process_group)
+    if any(e is not None for e in errors):  # every rank raises: none loads alone
+        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        same = len(set(errors)) == 1
+        raise ValueError(
+            "load_state_dict (SHARDED_STATE_DICT): nothing was loaded: "
+            + (errors[0] if same else "; ".join(failed))
+        )
+    for fn in after:
+        fn()
+    apply()
+    return result
+
+
+def _copy_sharded(key: str, target: Any, value: Any) -> None:
+    """Copy ``value`` (what the user loaded) into ``target`` (a ShardedTensor viewing the
+    scratch of ``_dest_for``, or a whole tensor): box by box, matched by offsets."""
+    if not isinstance(target, ShardedTensor):
+        if isinstance(value, ShardedTensor):
+            raise TypeError(f"'{key}' is a ShardedTensor here but whole in this model")
+        target.copy_(value)
+        return
+    if not isinstance(value, ShardedTensor):
+        raise TypeError(
+            f"'{key}' is a {type(value).__name__}, not a ShardedTensor: load a full state dict "
+            "under FULL_STATE_DICT instead, or take the dict from model.state_dict() under "
+            "SHARDED_STATE_DICT and dcp.load into it"
+        )
+    theirs = {
+        (tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)): s.tensor
+        for s in value.local_shards()
+    }
+    for shard in target.local_shards():
+        box = (tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes))
+        if box not in theirs:
+            raise ValueError(
+                f"'{key}': the ShardedTensor lacks this rank's box {box} (it was sharded "
+                "another way: another world size, optimizer_params or model). Take the "
+                "dict from this model's state_dict() under SHARDED_STATE_DICT and "
+                "dcp.load into it: DCP reshards on load"
+            )
+        shard.tensor.copy_(theirs[box])

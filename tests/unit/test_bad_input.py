@@ -36,12 +36,15 @@ def test_parameters_on_different_devices(world1) -> None:
 
 
 def test_wrapping_twice(world1) -> None:
+    """The module inside a unit is refused; the unit itself may be wrapped again (an outer
+    unit around a wrapped model: tests/dist/test_state_dict_type.py), by one outer unit."""
     inner = nn.Linear(2, 2)
     unit = fsdp_lite.FSDPModule(inner)
     with pytest.raises(ValueError, match="already wrapped"):
-        fsdp_lite.FSDPModule(unit)
-    with pytest.raises(ValueError, match="already wrapped"):
         fsdp_lite.FSDPModule(inner)
+    fsdp_lite.FSDPModule(unit)
+    with pytest.raises(ValueError, match="already wrapped"):
+        fsdp_lite.FSDPModule(unit)
 
 
 def test_integer_parameter(world1) -> None:
