@@ -77,6 +77,17 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if self._enabled:
             self._agree_on_overflow(optimizer)
 
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        # fp16 shard grads are legitimate here: pure fp16 (FSDPModule(fp32_masters=False)
+        # over a .half() model), as FSDP1's ShardedGradScaler allows.
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # The check step() runs instead of unscale_ for optimizers that unscale themselves
         # (_step_supports_amp_scaling, e.g. fused Adam).

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fsdp_lite.addons.state_dict import is_rank0, write_shard
+from fsdp_lite.core import collectives
 from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.state import TrainingState, check_state
 from fsdp_lite.core.tree import unit_of
@@ -36,9 +37,11 @@ def summon_full_params(
     rank0_only: bool = False,
     offload_to_cpu: bool = False,
     recurse: bool = True,
+    with_grads: bool = False,
 ) -> Iterator[None]:
     """See ``FSDPModule.summon_full_params``. Collective on entry (one all-gather per flat
-    param); exit does not communicate."""
+    param, and with ``with_grads`` one more per flat param with gradients); exit does not
+    communicate."""
     if rank0_only and writeback:
         raise ValueError(
             "summon_full_params(rank0_only=True, writeback=True) is not supported: only "
@@ -59,10 +62,13 @@ def summon_full_params(
         # freed first, as the root's next forward would: a backward of that forward still
         # to come gathers them again, from the shards as they are after the summon.
         unit.reshard()
+        for flat in unit.flat_params:
+            flat.adopt_orig_writes()
         unit.state = TrainingState.SUMMON_FULL_PARAMS
     try:
-        for flat in flats:
-            saved.append(_install_full(flat, keep, offload_to_cpu))
+        grads = _grads_to_gather(flats) if with_grads else [None] * len(flats)
+        for flat, grad in zip(flats, grads, strict=True):
+            saved.append(_install_full(flat, keep, offload_to_cpu, grad))
         _restore_param_order(saved)
         if keep:  # hide the shards: inside, parameters() yields the originals only
             saved.append(_hide_shards(wrappers))
@@ -77,18 +83,39 @@ def summon_full_params(
             unit.state = TrainingState.IDLE
 
 
+def _grads_to_gather(flats: list[FlatParam]) -> list[torch.Tensor | None]:
+    """Per flat param, this rank's shard-shaped gradient to gather (zeros where this rank
+    has none), or None where no rank has one: every rank must gather the same ones (one
+    small all-reduce per group decides)."""
+    local = [flat.grad_as_shard() for flat in flats]
+    has = torch.tensor([g is not None for g in local], dtype=torch.float32)
+    for group in {id(f.group): f.group for f in flats}.values():
+        collectives.all_reduce(has, group, op="max", kind="summon_grads")
+    return [
+        None if not h else (g if g is not None else torch.zeros_like(flat.shard.detach()))
+        for flat, g, h in zip(flats, local, has.tolist(), strict=True)
+    ]
+
+
 @torch.no_grad()
-def _install_full(flat: FlatParam, keep: bool, offload_to_cpu: bool) -> _Saved:
-    """Gather ``flat`` in fp32 and register one ``nn.Parameter`` per slot at every location."""
+def _install_full(
+    flat: FlatParam, keep: bool, offload_to_cpu: bool, grad: torch.Tensor | None
+) -> _Saved:
+    """Gather ``flat`` in fp32 (and ``grad``, this rank's shard-shaped gradient, into each
+    parameter's ``.grad``) and register one ``nn.Parameter`` per slot at every location."""
     full = flat.gather_fp32()  # (numel,)
+    full_grad = None if grad is None else flat.gather_fp32(grad)
     if not keep:
         return []
     if offload_to_cpu:
         full = full.to("cpu", copy=True)
+        full_grad = None if full_grad is None else full_grad.to("cpu", copy=True)
     saved: _Saved = []
     for slot in flat.slots:
         value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
         param = nn.Parameter(value, requires_grad=flat.requires_grad)
+        if full_grad is not None:
+            param.grad = full_grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
         for module, attr in slot.locations:
             saved.append((module, attr, module.__dict__.pop(attr, None)))
             module._parameters[attr] = param  # a tie: one Parameter at every location

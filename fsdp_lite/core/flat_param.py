@@ -55,6 +55,7 @@ class FlatParam:
         replicate_group: collectives.ProcessGroup | None = None,
         sync: bool = False,
         owners: list[int] | None = None,
+        fp32_masters: bool = True,
     ) -> None:
         self.slots = slots
         self.group = group
@@ -75,7 +76,10 @@ class FlatParam:
         self.original_refs = [weakref.ref(p) for p in originals]
 
         with torch.no_grad():
-            shard = _build_shard(self, originals, sync, device)
+            dtype = originals[0].dtype
+            shard = _build_shard(
+                self, originals, sync, device, master_dtype(dtype) if fp32_masters else dtype
+            )
         # The master copy: the only tensor an optimizer sees.  shape: (shard_numel,)
         self.shard = nn.Parameter(shard, requires_grad=self.requires_grad)
         mark_shard(self.shard, (self.world_size, self.replicas), compute_dtype)
@@ -91,6 +95,7 @@ class FlatParam:
         self.full: torch.Tensor | None = None
         # Called with the full gradient once it is complete (the unit's post-backward).
         self.post_accumulate_hook: Callable[[torch.Tensor], None] | None = None
+        self._hooked = False  # post_accumulate_hook registered on ``full``
         # fp32 sum of gradients kept unreduced under no_sync.  shape: (padded_numel,)
         self.unsharded_grad: torch.Tensor | None = None
         # An all-gather in flight into full_data, and its send buffer (kept alive until done).
@@ -105,7 +110,6 @@ class FlatParam:
         self.views: list[torch.Tensor] | None = None
         # optimizer_params 'pieces' / 'whole': what the optimizer sees instead of the shard.
         self.orig_params: OrigParams | None = None
-        self.warned_thawed = False  # an orig param of a frozen flat param set trainable
 
     def _lay_out(self, owners: list[int] | None) -> None:
         """Rank r keeps elements ``[bounds[r], bounds[r + 1])`` of the padded flat param: a
@@ -139,10 +143,35 @@ class FlatParam:
             self.full = torch.empty(0, dtype=self.compute_dtype, device=self.device)
             self.full.data = self.full_data
             self.full.requires_grad_(self.requires_grad)
-            if self.requires_grad and self.post_accumulate_hook is not None:
-                self.full.register_post_accumulate_grad_hook(self.post_accumulate_hook)
+            self._hook_full()
         else:
             self.full_data.untyped_storage().resize_(self.full_nbytes)
+
+    def _hook_full(self) -> None:
+        """The post-accumulate hook on ``full``, once, when it is trainable."""
+        if self.requires_grad and not self._hooked and self.full is not None:
+            if self.post_accumulate_hook is not None:
+                self.full.register_post_accumulate_grad_hook(self.post_accumulate_hook)
+                self._hooked = True
+
+    def set_requires_grad(self, requires_grad: bool) -> None:
+        """Freeze or unfreeze after wrapping (between steps): from now on the full buffer
+        needs a gradient, and the gradient is reduced, iff ``requires_grad``."""
+        self.requires_grad = requires_grad
+        self.shard.requires_grad_(requires_grad)
+        if self.full is not None:
+            self.full.requires_grad_(requires_grad)
+        self._hook_full()
+
+    def wants_grad(self) -> bool:
+        """What the optimizer's parameters ask now: the shard's ``requires_grad`` (the same
+        object on every rank), or with orig params, a gradient once any piece of this rank
+        asks for one. Pieces differ by rank, so a piece turned off never turns the flat
+        param off (the piece gets no gradient: ``OrigParams.link``), or ranks that hold
+        different pieces would issue different reduce-scatters."""
+        if self.orig_params is None:
+            return self.shard.requires_grad
+        return self.requires_grad or any(o.param.requires_grad for o in self.orig_params)
 
     def unshard(self, async_op: bool = False) -> None:
         """Cast the shard to the compute dtype and all-gather it into the full buffer.
@@ -224,14 +253,18 @@ class FlatParam:
     def _install(self, tensors: list[torch.Tensor]) -> None:
         """``tensors[i]`` at every location of slot i. An attribute this installed before is
         replaced in the module's ``__dict__``, as ``nn.Module.__setattr__`` would for a
-        plain tensor, without its checks."""
+        plain tensor, without its checks. With orig params, views of the full buffer are
+        also the module's registered parameters while they are installed, so the module's
+        own ``named_parameters()`` inside its forward reads as unwrapped (as FSDP1's
+        ``use_orig_params``); placeholders are not."""
+        registered = self.orig_params is not None and not isinstance(tensors[0], FreedParameter)
         for slot, tensor in zip(self.slots, tensors, strict=True):
             for module, attr in slot.locations:
-                attrs = module.__dict__
-                if attr in attrs:
-                    attrs[attr] = tensor
-                else:  # the first install, or after a summon put a Parameter there
-                    setattr(module, attr, tensor)
+                if registered:
+                    module._parameters[attr] = tensor
+                else:
+                    module._parameters.pop(attr, None)
+                module.__dict__[attr] = tensor
 
     def use_placeholders(self) -> None:
         """A :class:`FreedParameter` at every original location (see Note); made once."""
@@ -282,9 +315,17 @@ class FlatParam:
         ]
         ranks = (self.world_size, self.replicas)
         self.orig_params = OrigParams(
-            self.shard, pieces, ranks, self.compute_dtype, cut=not self.whole
-        )
+            self.shard, pieces, ranks, self.compute_dtype, cut=not self.whole,
+            originals=[ref() for ref in self.original_refs],
+        )  # fmt: skip
         return self.orig_params
+
+    def adopt_orig_writes(self) -> None:
+        """Orig params: a piece whose ``.data`` was replaced (``p.data = t``) no longer views
+        the shard; copy its value into the shard and view the shard again (as FSDP1's
+        ``use_orig_params`` does). Called wherever the shard is read between steps."""
+        if self.orig_params is not None:
+            self.orig_params.adopt_writes(self.home.before_host_write)
 
     def optimizer_params(self) -> list[nn.Parameter]:
         """What an optimizer over this flat param steps: its orig params, else the shard."""
@@ -341,11 +382,14 @@ class FlatParam:
 
 
 def _build_shard(
-    flat: FlatParam, originals: list[nn.Parameter], sync: bool, device: torch.device
+    flat: FlatParam,
+    originals: list[nn.Parameter],
+    sync: bool,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """This rank's slice of the padded flat param, in the master dtype. Without ``sync`` it
-    is copied straight from the originals, so no full-size flat buffer is ever allocated."""
-    dtype = master_dtype(originals[0].dtype)
+    """This rank's slice of the padded flat param, in ``dtype``. Without ``sync`` it is
+    copied straight from the originals, so no full-size flat buffer is ever allocated."""
     start, end = flat.rank_range()
     if sync:  # sync_module_states: every rank starts from rank 0's values
         full = torch.zeros(flat.padded_numel, dtype=dtype, device=device)

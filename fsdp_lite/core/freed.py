@@ -65,5 +65,6 @@ def between_steps_message(name: str, unit: str) -> str:
         "on no rank here (between steps each rank keeps only its 1/W fp32 shard, which "
         "model.parameters() yields; full parameters exist only inside the unit's forward and "
         "backward). Read or change full parameters inside `with model.summon_full_params():` "
-        "or through model.state_dict() / load_state_dict(); set requires_grad before wrapping."
+        "or through model.state_dict() / load_state_dict(); set requires_grad on what "
+        "model.parameters() yields."
     )

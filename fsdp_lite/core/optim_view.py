@@ -10,7 +10,7 @@ only parameters -- the optimizer misuse check, the grad scaler -- needs no unit 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,10 @@ _SHARD_ATTR = "_fsdp_lite_ranks"
 # An orig param of a flat param cut at numel/W (optimizer_params='pieces')
 # carries its parameter's shape: on some rank it is, or may be, a partial piece.
 _CUT_ATTR = "_fsdp_lite_cut_from"
+# A parameter an FSDPModule left unsharded (``ignored_modules`` / ``ignored_params``,
+# ``ignored.py``) carries (shard group size, replicas): the ranks its root averages its
+# gradient over.
+_REPLICATED_ATTR = "_fsdp_lite_replicated"
 
 
 def mark_shard(p: torch.Tensor, ranks: tuple[int, int], compute_dtype: torch.dtype) -> None:
@@ -45,10 +49,22 @@ def shard_compute_dtype(p: torch.Tensor) -> torch.dtype | None:
     return None if mark is None else mark[2]
 
 
+def mark_replicated(p: torch.Tensor, ranks: tuple[int, int]) -> None:
+    """Mark ``p`` as left unsharded by an FSDPModule (an ignored parameter), replicated on
+    ``(shard group size, replicas)`` ranks that its root averages the gradient over."""
+    p.__dict__[_REPLICATED_ATTR] = ranks
+
+
+def replicated_ranks(p: torch.Tensor) -> tuple[int, int] | None:
+    """``(shard group size, replicas)`` if an FSDPModule left ``p`` unsharded, else ``None``."""
+    return p.__dict__.get(_REPLICATED_ATTR)
+
+
 def unaveraged(params: list[nn.Parameter], modules: Iterator[nn.Module]) -> list[int]:
     """Indices of the trainable ``params`` whose gradients nothing averages across ranks:
-    not an fsdp_lite shard, nor a parameter of a ``DistributedDataParallel`` module among
-    ``modules`` (which averages its own). The one rule of the forward and optimizer checks."""
+    not an fsdp_lite shard, nor an ignored parameter (its root averages it), nor a parameter
+    of a ``DistributedDataParallel`` module among ``modules`` (which averages its own). The
+    one rule of the forward and optimizer checks."""
     ddp = {
         id(p)
         for m in modules
@@ -58,7 +74,10 @@ def unaveraged(params: list[nn.Parameter], modules: Iterator[nn.Module]) -> list
     return [
         i
         for i, p in enumerate(params)
-        if p.requires_grad and shard_ranks(p) is None and id(p) not in ddp
+        if p.requires_grad
+        and shard_ranks(p) is None
+        and replicated_ranks(p) is None
+        and id(p) not in ddp
     ]
 
 
@@ -77,6 +96,7 @@ class OrigParam:
     at: int  # where the piece starts in the shard
     numel: int
     param: nn.Parameter  # a view of shard[at : at + numel] (its grad: of the shard grad's)
+    shape: tuple[int, ...]  # the view's shape
 
 
 class OrigParams:
@@ -85,7 +105,12 @@ class OrigParams:
     shard. A whole piece has the parameter's shape; a partial one is 1-D with leading 1s
     up to the parameter's ndim (so ``p.ndim`` sorts parameters into groups). With ``cut``
     (not whole params) every one is marked for ``cut_from``: some rank holds a partial
-    piece of it, or may."""
+    piece of it, or may.
+
+    Each piece *is* the original ``nn.Parameter`` object, its ``.data`` now the view (as
+    FSDP1's ``use_orig_params``), so an optimizer built before wrapping keeps stepping
+    the same objects; an original this rank holds no piece of stays empty (0 elements),
+    marked so that such an optimizer is accepted (it gets no gradient, so no step)."""
 
     def __init__(
         self,
@@ -94,24 +119,71 @@ class OrigParams:
         ranks: tuple[int, int],
         compute_dtype: torch.dtype,
         cut: bool,
+        originals: list[nn.Parameter | None],
     ) -> None:
         """``pieces``: (name, slot index, the parameter's shape, piece numel, offset in the
-        shard) per piece this rank holds."""
+        shard) per piece this rank holds; ``originals``: the original parameter of each
+        slot (None where it is gone)."""
         self.shard = shard
         self.pieces: list[OrigParam] = []
+        held = {slot for _, slot, _, _, _ in pieces}
         with torch.no_grad():
             for name, slot, shape, numel, at in pieces:
                 whole = numel == shape.numel()
-                view_shape = shape if whole else (1,) * (len(shape) - 1) + (numel,)
+                view_shape = tuple(shape) if whole else (1,) * (len(shape) - 1) + (numel,)
                 view = shard[at : at + numel].view(view_shape)
-                param = nn.Parameter(view, requires_grad=shard.requires_grad)
+                param = _reuse(originals[slot], view)
+                if param is None:
+                    param = nn.Parameter(view, requires_grad=shard.requires_grad)
                 mark_shard(param, ranks, compute_dtype)
                 if cut:
                     param.__dict__[_CUT_ATTR] = shape
-                self.pieces.append(OrigParam(name, slot, at, numel, param))
+                self.pieces.append(OrigParam(name, slot, at, numel, param, view_shape))
+        for slot, original in enumerate(originals):
+            if slot not in held and original is not None:
+                mark_shard(original, ranks, compute_dtype)  # empty: never a gradient
         # The shard-shaped grad their grads were last pointed into, and those views.
         self._linked_grad: weakref.ref | None = None
         self._linked_views: list[weakref.ref] | None = None
+
+    def _viewing_shard(self, t: torch.Tensor, o: OrigParam, base: torch.Tensor) -> bool:
+        """Is ``t`` still the view of ``base[o.at : o.at + o.numel]`` it was made as?"""
+        return t.data_ptr() == base.data_ptr() + o.at * base.element_size() and (
+            tuple(t.shape) == o.shape
+        )
+
+    def _still_linked(
+        self,
+        grad: torch.Tensor | None,
+        view: torch.Tensor | None,
+        o: OrigParam,
+        linked: torch.Tensor,
+    ) -> bool:
+        """Is a piece's ``grad`` the view of ``linked`` that ``link`` gave it, unreplaced
+        (``p.grad = t`` and ``p.grad.data = t`` both replace it)?"""
+        return view is not None and grad is view and self._viewing_shard(grad, o, linked)
+
+    def adopt_writes(self, before_write: Callable[[nn.Parameter], None]) -> None:
+        """Pieces whose ``.data`` was replaced: their values into the shard, then view it
+        again (see ``FlatParam.adopt_orig_writes``)."""
+        shard = self.shard.detach()
+        moved = [o for o in self.pieces if not self._viewing_shard(o.param, o, shard)]
+        if not moved:
+            return
+        before_write(self.shard)
+        with torch.no_grad():
+            for o in moved:
+                value = o.param.detach()
+                if value.numel() != o.numel:
+                    raise RuntimeError(
+                        f"fsdp_lite: '{o.name}' (this rank's piece of {o.numel} elements) was "
+                        f"given .data of shape {tuple(value.shape)}: a parameter's shape "
+                        "cannot change under fsdp_lite. Write values in place, or inside "
+                        "summon_full_params() for the full parameter"
+                    )
+                region = shard[o.at : o.at + o.numel]
+                region.copy_(value.reshape(-1))
+                o.param.data = region.view(o.shape)
 
     def __iter__(self) -> Iterator[OrigParam]:
         return iter(self.pieces)
@@ -145,12 +217,10 @@ class OrigParams:
         zero; an assigned tensor: its values), never writing into a tensor the user may
         still hold."""
         linked = _deref(self._linked_grad)
-        views = [_deref(v) for v in self._linked_views or ()]
         current = [o.param.grad for o in self.pieces]
-        frozen = [not o.param.requires_grad for o in self.pieces]  # linked to none
         if linked is not None and all(
-            (f and g is None) or (v is not None and g is v)
-            for g, v, f in zip(current, views, frozen, strict=True)
+            g is None if ref is None else self._still_linked(g, ref(), o, linked)
+            for o, g, ref in zip(self.pieces, current, self._linked_views, strict=True)
         ):
             return linked
         if all(g is None for g in current):
@@ -169,12 +239,24 @@ class OrigParams:
         if self.shard.grad is None:
             return
         grad, self.shard.grad = self.shard.grad, None
-        views = [grad[o.at : o.at + o.numel].view(o.param.shape) for o in self.pieces]
+        views = [
+            grad[o.at : o.at + o.numel].view(o.shape) if o.param.requires_grad else None
+            for o in self.pieces
+        ]
         for o, view in zip(self.pieces, views, strict=True):
-            o.param.grad = view if o.param.requires_grad else None
+            o.param.grad = view
         self._linked_grad = weakref.ref(grad)
-        self._linked_views = [weakref.ref(v) for v in views]
+        self._linked_views = [None if v is None else weakref.ref(v) for v in views]
 
 
 def _deref(ref: weakref.ref | None) -> Any:
     return None if ref is None else ref()
+
+
+def _reuse(original: nn.Parameter | None, view: torch.Tensor) -> nn.Parameter | None:
+    """``original`` made a view of ``view``'s storage (its identity kept), or None where it
+    cannot be: gone, or not a plain real ``nn.Parameter``."""
+    if type(original) is not nn.Parameter or original.is_meta:
+        return None
+    original.data = view
+    return original

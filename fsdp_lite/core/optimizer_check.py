@@ -3,7 +3,8 @@ silently wrong.
 
 - An optimizer built over the module's parameters *before* wrapping would step tensors
   nothing uses any more. The originals are emptied when flattened (so they hold no
-  memory) and marked, and an optimizer holding one is refused.
+  memory) and marked, and an optimizer holding one is refused -- unless the originals
+  live on as orig params (optimizer_params 'pieces' / 'whole', ``optim_view.py``).
 - A matrix optimizer (Muon, Shampoo, SOAP) holding pieces of parameters cut at numel/W.
 - Plain trainable parameters beside shards of a multi-rank unit (only blocks were
   wrapped): nothing averages their gradients.
@@ -93,7 +94,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: obj
 def _refuse_flattened(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
     for p in params:
         name = flattened_as(p)
-        if name is not None:
+        if name is not None and shard_ranks(p) is None:  # not kept as an orig param
             raise RuntimeError(
                 f"this {type(optimizer).__name__} holds '{name}', an original parameter "
                 "that fsdp_lite.FSDPModule flattened into a shard: it would step a tensor "

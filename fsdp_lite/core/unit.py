@@ -46,7 +46,6 @@ an op of the unit, would break this: ``tests/unit/test_freeing_order.py`` fails 
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from typing import Any
 
@@ -78,6 +77,7 @@ class Unit:
         prefetch: PrefetchPolicy | None,
         reshard_after_forward: bool | None,
         home: DeviceHome,
+        fp32_masters: bool = True,
     ) -> None:
         self.module = module  # the user's module: the hooks live on it
         self.process_group = process_group  # parameters are sharded over these ranks
@@ -87,6 +87,7 @@ class Unit:
         self.prefetch = prefetch  # only the root's is read: it applies to the whole tree
         self.reshard_after_forward = reshard_after_forward  # as given; see schedule.build
         self.home = home  # where shards and shard grads live between uses
+        self.fp32_masters = fp32_masters  # low-precision parameters get fp32 shards
         self.flat_params: list[FlatParam] = []  # set by own(), after nested units exist
         self.state = TrainingState.IDLE
         self.sync_grads = True  # False inside no_sync()
@@ -107,46 +108,31 @@ class Unit:
 
     # -- forward -------------------------------------------------------------------
 
-    def start_forward(self) -> None:
+    def start_forward(self) -> bool:
+        """FORWARD. True if a flat param was frozen or unfrozen since the last forward."""
         check_state(self.name, self.state, TrainingState.IDLE, doing="run forward")
-        if torch.is_grad_enabled():
-            self._check_requires_grad()
+        changed = torch.is_grad_enabled() and self._follow_requires_grad()
         self.state = TrainingState.FORWARD
+        return changed
 
     def end_forward(self, keep_full: bool) -> None:
         if not keep_full:
             self.reshard()
         self.state = TrainingState.IDLE
 
-    def _check_requires_grad(self) -> None:
-        """Refuse a shard whose ``requires_grad`` changed after wrapping: its flat param
-        would keep training (frozen and trainable parameters are flattened apart, at wrap
-        time). Orig params differ by rank, so no rank may raise alone: one turned off is
-        honoured (it gets no grad, so no optimizer steps it); one turned on in a frozen
-        flat param gets none either, with a warning."""
+    def _follow_requires_grad(self) -> bool:
+        """Freeze and unfreeze after wrapping: a flat param needs a gradient iff what the
+        optimizer sees of it asks for one (``FlatParam.wants_grad``). Ranks that decide
+        differently for a flat param (a parameter unfrozen only where a rank holds a piece
+        of it) issue different reduce-scatters, which the divergence check reports: change
+        ``requires_grad`` alike on every rank, for whole units or modules."""
+        changed = False
         for flat in self.flat_params:
-            if flat.shard.requires_grad != flat.requires_grad:
-                names = ", ".join(slot.name for slot in flat.slots[:3])
-                more = f" and {len(flat.slots) - 3} more" if len(flat.slots) > 3 else ""
-                raise RuntimeError(
-                    f"fsdp_lite: requires_grad of a shard of unit '{self.name}' ({names}{more}) "
-                    f"changed after wrapping, to {flat.shard.requires_grad}: fsdp_lite "
-                    "flattens frozen and trainable parameters apart when it wraps, so it cannot "
-                    "follow the change. Set requires_grad on the original parameters before "
-                    "wrapping (wrap again to change it), or put it back to "
-                    f"{flat.requires_grad}"
-                )
-            if flat.requires_grad or flat.orig_params is None:
-                continue
-            thawed = [o.name for o in flat.orig_params if o.param.requires_grad]
-            if thawed and not flat.warned_thawed:
-                flat.warned_thawed = True
-                warnings.warn(
-                    f"fsdp_lite: requires_grad was turned on after wrapping for {thawed[:3]} of "
-                    f"unit '{self.name}', frozen when it was wrapped: they stay frozen (no "
-                    "gradient is computed for them). Set requires_grad before wrapping",
-                    stacklevel=2,
-                )
+            wants = flat.wants_grad()
+            if wants != flat.requires_grad:
+                flat.set_requires_grad(wants)
+                changed = True
+        return changed
 
     # -- gather and free -------------------------------------------------------------
 

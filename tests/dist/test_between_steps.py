@@ -10,8 +10,8 @@ a small GPT with a unit per block, each case by name):
   again (they used to be stale);
 - a unit that got a gradient in a ``no_sync`` micro-step but none in the synchronizing
   one: its gradient reaches this step (it used to reach a later one);
-- ``requires_grad_(False)`` on a shard after wrapping: refused at the next forward (it
-  used to keep training);
+- ``requires_grad`` turned off and on again after wrapping (a block frozen for some
+  steps), in every layout of what the optimizer sees: trains as the reference does;
 - a chunked loss through the root's head outside the root's forward, tied and untied
   (FSDP2's ``test_partial_group_forward_then_standalone``; it used to raise
   FSDPStateError), and such a gradient with no backward through the output after it:
@@ -183,23 +183,27 @@ def _unit_used_only_in_no_sync() -> None:
 
 
 def _freeze_after_wrapping() -> None:
+    """Freeze a block after a step, train, unfreeze it, train: equal to the reference
+    doing the same, for each layout of what the optimizer sees."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    _, model, (_, opt) = _pair(gpt, wrap_blocks)
-    batch = local_part(token_batch(world, 0), rank, world)
-    gpt_loss(model, batch).backward()
-    opt.step()
-    block = model.module.blocks[0]
-    for p in block.parameters():
-        p.requires_grad_(False)
-    with pytest.raises(RuntimeError, match=r"requires_grad.*blocks\.0.*changed after wrapping"
-                       r".*before wrapping"):  # fmt: skip
-        gpt_loss(model, batch)
-    with torch.no_grad():  # an eval forward computes nothing it could get wrong
-        gpt_loss(model, batch)
-    for p in block.parameters():
-        p.requires_grad_(True)
-    gpt_loss(model, batch).backward()  # restored: trains again
-    with pytest.raises(RuntimeError, match="set requires_grad before wrapping"):
+    for layout in ("flat", "pieces", "whole"):
+        wrap = lambda m, layout=layout: wrap_blocks(m, optimizer_params=layout)  # noqa: E731
+        ref, model, (ref_opt, opt) = _pair(gpt, wrap)
+        blocks = (ref.blocks[0], model.module.blocks[0])
+        for step, frozen in enumerate((False, True, True, False, False)):
+            for block in blocks:
+                block.requires_grad_(not frozen)
+            for m, o, batch in ((ref, ref_opt, token_batch(world, step)),
+                                (model, opt, local_part(token_batch(world, step), rank, world))):  # fmt: skip
+                loss = gpt_loss(m, batch)
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                if m is ref:
+                    want = loss.item()
+            assert_close_loss(f"{layout} step {step}", mean_over_ranks(loss.detach()), want, 1e-5)
+        _same_params(model, ref)
+    with pytest.raises(RuntimeError, match="set requires_grad on what model.parameters"):
         model.module.blocks[1].mlp.fc.weight.requires_grad_(False)
 
 
@@ -291,7 +295,7 @@ def _cases(rank: int, world: int) -> dict:
     ))  # fmt: skip
     cases += [
         ("a unit used only in a no_sync micro-step", _unit_used_only_in_no_sync),
-        ("requires_grad changed after wrapping: refused", _freeze_after_wrapping),
+        ("requires_grad changed after wrapping: followed", _freeze_after_wrapping),
         ("chunked loss through the root's head (tied)", _chunked_head(True)),
         ("chunked loss through the root's head (untied)", _chunked_head(False)),
         ("a head gradient never reduced: refused at the next forward", _head_gradient_never_reduced),
