@@ -9,15 +9,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_lite.addons import state_dict as _state_dict
+from fsdp_lite.addons import state_dict_type as _sdt
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
-from fsdp_lite.core import collectives, deferred_init, devices, ownership, root
+from fsdp_lite.core import collectives, deferred_init, devices, ignored, ownership, root
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy, resolve_optimizer_params
 from fsdp_lite.core.grads import nonfinite_units, total_norm
 from fsdp_lite.core.home import DeviceHome
@@ -50,6 +52,14 @@ class FSDPModule(nn.Module):
     Args:
         module: the module to shard. It may already contain ``FSDPModule`` children
             (wrapped by hand); the outermost unit becomes the root at its first forward.
+            It may also be, or contain, a wrapped model that already ran (FSDP1's
+            ``FSDP(FSDP(model))``, ``FSDPModule(nn.Sequential(wrapped, head))``): the new
+            unit owns only the parameters no unit inside owns, and takes the units inside
+            from their old root (they must be IDLE: wrap between iterations). The old
+            wrapper keeps working afterwards, as one of the new tree's units (called
+            directly, it runs as a nested block does; ``FSDPModule(wrapped)`` puts the new
+            root's hooks on it). Pass the new unit the same ``mixed_precision``: only a
+            root casts inputs. The module inside a unit (``wrapped.module``) is refused.
         process_group: the ranks to shard over (default: the world group), or a
             ``(shard_group, replicate_group)`` pair for hybrid sharding: shard within the
             first, average shard grads across the second (see ``fsdp_lite.hybrid_groups``).
@@ -90,6 +100,22 @@ class FSDPModule(nn.Module):
             take per-rank sizes.
         use_orig_params: FSDP1's name: ``True`` is ``optimizer_params="pieces"``.
         whole_params: ``True`` is ``optimizer_params="whole"`` (the older name).
+        fp32_masters: ``True`` (default): the shards of a model loaded in bf16 or fp16 are
+            fp32 masters (small updates are not lost to rounding). ``False``: shards, their
+            gradients and so the optimizer's state keep the parameters' own dtype, as
+            FSDP1 and FSDP2 do: a model made ``.half()`` before wrapping trains in pure
+            fp16 (half the memory of the masters; use ``ShardedGradScaler``).
+        ignored_modules: FSDP1's: submodules of ``module`` left unsharded with their whole
+            subtrees (a replicated head, a module another wrapper such as DDP owns, a frozen
+            module): their parameters stay ordinary parameters of their modules, whole on
+            every rank and moved to ``device`` (same objects), so ``parameters()`` and
+            ``state_dict()`` hold them; no policy wraps them; their buffers keep their dtype
+            and the modules compute in their own dtype under ``mixed_precision``. The root
+            averages the gradients of trainable ones across all ranks at the end of each
+            backward that syncs (not a ``DistributedDataParallel`` module's). Refused: a
+            module outside ``module``, one on the meta device, a parameter tied to one that
+            is sharded (see ``core/ignored.py``).
+        ignored_params: FSDP2's: parameters left unsharded the same way, wherever used.
     """
 
     def __init__(
@@ -110,21 +136,27 @@ class FSDPModule(nn.Module):
         optimizer_params: str | None = None,
         use_orig_params: bool = False,
         whole_params: bool = False,
+        fp32_masters: bool = True,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        ignored_params: Iterable[nn.Parameter] | None = None,
     ) -> None:
         super().__init__()
         options = _Options(
             process_group, auto_wrap_policy, reshard_after_forward, mixed_precision,
             sync_module_states, device, prefetch, offload, param_init_fn,
             resolve_optimizer_params(optimizer_params, use_orig_params, whole_params),
+            fp32_masters=fp32_masters,
         )  # fmt: skip
-        self._build(module, options, _TreePlan())
+        ignore = ignored.resolve(module, ignored_modules, ignored_params)
+        self._build(module, options, _TreePlan(ignore=ignore))
 
     def _build(self, module: nn.Module, options: _Options, plan: _TreePlan) -> None:
         """Make this wrapper ``module``'s unit: the outermost one works out the plan of its
         whole tree (deferred init, whole-params owners), and every unit its policy picks is
         built here too, children first, with the same options and plan."""
         o = options
-        check_wrappable(module, o.mixed_precision, o.prefetch, o.offload)
+        skip = plan.ignore.param_ids() if plan.ignore is not None else frozenset()
+        check_wrappable(module, o.mixed_precision, o.prefetch, o.offload, ignored=skip)
         collectives.require_initialized()
         self.module = module
         # Parameters are sharded over process_group; with hybrid sharding the shard grads
@@ -142,9 +174,16 @@ class FSDPModule(nn.Module):
             mixed_precision=o.mixed_precision,
             prefetch=o.prefetch,
             reshard_after_forward=o.reshard_after_forward,
+            fp32_masters=o.fp32_masters,
             home=o.offload.make_home(self.device, rank) if o.offload else DeviceHome(self.device),
         )
         self.__dict__[UNIT_ATTR] = unit
+        if plan.ignore is not None:  # the outermost unit leaves them whole (ignored.py)
+            ignored.take(
+                plan.ignore, self.device, self.process_group, self.replicate_group,
+                o.sync_module_states,
+            )  # fmt: skip
+            plan = dataclasses.replace(plan, ignore=None)
         if plan.init_plan is None and deferred_init.has_meta_tensors(module):
             plan = dataclasses.replace(
                 plan, init_plan=self._plan_deferred_init(module, o)
@@ -234,7 +273,8 @@ class FSDPModule(nn.Module):
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Scale shard grads so their total norm over all ranks is at most ``max_norm``.
+        """Scale shard grads (and ignored parameters' grads, whole on every rank) so their
+        total norm over all ranks is at most ``max_norm``.
 
         Returns the total norm before clipping (an fp32 scalar tensor, equal on every rank).
         No host synchronization: a non-finite norm (overflow, NaN) leaves the grads
@@ -246,7 +286,8 @@ class FSDPModule(nn.Module):
         for unit in units:
             check_state(unit.name, unit.state, TrainingState.IDLE, doing="clip_grad_norm_")
         grads = [g for u in units for f in u.flat_params for g in f.grads()]
-        total = total_norm(grads, float(norm_type), self.device, self.process_group)
+        whole = self._ignored_grads()
+        total = total_norm(grads, float(norm_type), self.device, self.process_group, whole)
         if error_if_nonfinite and not torch.isfinite(total):
             bad = nonfinite_units(units, self.device, self.process_group)
             raise RuntimeError(
@@ -254,9 +295,19 @@ class FSDPModule(nn.Module):
             )
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
-        for g in grads:
+        for g in grads + whole:
             g.mul_(coef.to(g.device, g.dtype))
         return total
+
+    def _ignored_grads(self) -> list[torch.Tensor]:
+        """The gradients of the ignored parameters in this tree (``ignored.py``): the root's
+        list once it ran, else found in the module tree."""
+        unit = self._unit
+        if unit.is_root and unit.root is not None:
+            params = unit.root.replicas.params
+        else:
+            params = ignored.find(self.module)
+        return [p.grad for p in params if p.grad is not None]
 
     def reset_training_state(self) -> None:
         """After an exception inside backward: return every unit to IDLE, resharded, with no
@@ -270,18 +321,20 @@ class FSDPModule(nn.Module):
         destination=None,
         prefix: str = "",
         keep_vars: bool = False,
-        rank0_only: bool = False,
+        rank0_only: bool | None = None,
     ):
-        """The full, unsharded state dict with the original module's keys, fp32, on CPU.
+        """The full, unsharded state dict with the original module's keys, fp32, on CPU
+        (or the sharded one under ``SHARDED_STATE_DICT``: see ``state_dict_type``).
 
         Every rank must call it: it all-gathers one flat param at a time, copies it to
         CPU and frees it before the next, so no rank holds more than one unit's full
         parameters on the device. With ``rank0_only=True`` only rank 0 keeps the copies
         and returns the dict; other ranks get ``{}`` and stay within one flat param of
-        their sharded footprint (use it for large models). Loads into the unwrapped
-        module and back (``load_state_dict``).
+        their sharded footprint (use it for large models); ``None``: as the
+        ``FullStateDictConfig`` of ``state_dict_type`` says (``False`` by default). Loads
+        into the unwrapped module and back (``load_state_dict``).
         """
-        sd = _state_dict.full_state_dict(self, rank0_only=rank0_only)
+        sd = _sdt.module_state_dict(self, rank0_only)
         if destination is None:
             return {prefix + k: v for k, v in sd.items()} if prefix else sd
         for k, v in sd.items():
@@ -294,20 +347,72 @@ class FSDPModule(nn.Module):
         strict: bool = True,
         assign: bool = False,
         *,
-        rank0_only: bool = False,
+        rank0_only: bool | None = None,
     ):
-        """Load a full state dict (as from ``state_dict()`` or from the unwrapped module).
+        """Load a full state dict (as from ``state_dict()`` or from the unwrapped module),
+        or under ``SHARDED_STATE_DICT`` a sharded one (see ``state_dict_type``).
 
         ``strict`` as in ``nn.Module``: missing or unexpected keys raise unless it is
         ``False``; wrong shapes always raise; on an error nothing is loaded and every rank
         raises. With ``rank0_only=True`` only rank 0's dict is read (others may pass
-        ``{}``): it is broadcast one flat param at a time, so no rank holds the full model.
-        ``assign`` is accepted for signature compatibility and ignored (shards are
-        always copied into in place, so optimizers stay valid).
+        ``{}``): it is broadcast one flat param at a time, so no rank holds the full model;
+        ``None``: as the ``FullStateDictConfig`` of ``state_dict_type`` says. ``assign``
+        is accepted for signature compatibility and ignored (shards are always copied
+        into in place, so optimizers stay valid).
         """
-        return _state_dict.load_full_state_dict(
-            self, state_dict, strict=strict, rank0_only=rank0_only
-        )
+        return _sdt.load_module_state_dict(self, state_dict, strict, rank0_only)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: _sdt.StateDictType | str,
+        state_dict_config: _sdt.StateDictConfig | None = None,
+        optim_state_dict_config: None = None,
+    ) -> Iterator[None]:
+        """FSDP1's context (``with FSDPModule.state_dict_type(model, StateDictType.
+        SHARDED_STATE_DICT): sd = model.state_dict()``): inside, ``state_dict()`` and
+        ``load_state_dict()`` of every ``FSDPModule`` in ``module``'s tree make and read
+        ``state_dict_type``; on exit each has its previous type back (contexts nest).
+
+        ``state_dict_type``: ``torch.distributed.fsdp.StateDictType.FULL_STATE_DICT`` or
+        ``"full"`` (the default outside: full fp32 CPU tensors; ``FullStateDictConfig(
+        rank0_only=True)``: rank 0 gets them, the others ``{}``, and ``load_state_dict``
+        reads rank 0's dict only), or ``SHARDED_STATE_DICT`` / ``"sharded"``: every rank
+        gets copies of its own part of each parameter as ShardedTensors (buffers whole; on
+        CPU with ``ShardedStateDictConfig(offload_to_cpu=True)``), for
+        ``torch.distributed.checkpoint``: ``dcp.save(sd, checkpoint_id=...)``, and to
+        resume ``sd = model.state_dict(); dcp.load(sd, checkpoint_id=...);
+        model.load_state_dict(sd)`` (DCP reshards to this world size; the model changes
+        at ``load_state_dict``, not at ``dcp.load``). ``LOCAL_STATE_DICT`` is refused:
+        use ``SHARDED_STATE_DICT``. The whole checkpoint with optimizer state:
+        ``fsdp_lite.save_checkpoint`` (the same model keys, under ``model.``).
+        """
+        setting = _sdt.resolve(state_dict_type, state_dict_config, optim_state_dict_config)
+        before = _sdt.set_on(module, setting)
+        try:
+            yield
+        finally:
+            _sdt.restore(before)
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: _sdt.StateDictType | str,
+        state_dict_config: _sdt.StateDictConfig | None = None,
+        optim_state_dict_config: None = None,
+    ) -> _sdt.StateDictSettings:
+        """``state_dict_type`` for good (until set again), not as a context: every
+        ``FSDPModule`` in ``module``'s tree now makes and reads that type. Returns the
+        previous setting of ``module`` (its first ``FSDPModule``), as FSDP1 does."""
+        setting = _sdt.resolve(state_dict_type, state_dict_config, optim_state_dict_config)
+        before = _sdt.set_on(module, setting)
+        return (before[0][1] or _sdt.default()).settings()
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> _sdt.StateDictSettings:
+        """The type ``state_dict()`` of ``module`` (its first ``FSDPModule``) makes now."""
+        return _sdt.setting_of(_sdt.wrappers(module)[0]).settings()
 
     def summon_full_params(
         self,
@@ -315,6 +420,7 @@ class FSDPModule(nn.Module):
         rank0_only: bool = False,
         offload_to_cpu: bool = False,
         recurse: bool = True,
+        with_grads: bool = False,
     ) -> contextlib.AbstractContextManager[None]:
         """Context: the module's parameters are full fp32 ``nn.Parameter``s under their
         original names and shapes (``named_parameters()``, EMA, custom init work inside).
@@ -323,7 +429,9 @@ class FSDPModule(nn.Module):
         in the shards after exit. ``rank0_only``: only rank 0 sees the full parameters
         (others see the module unchanged; needs ``writeback=False``). ``offload_to_cpu``:
         the full copies live on CPU. ``recurse=False``: only this unit's own parameters,
-        not those of nested units. Units are in ``TrainingState.SUMMON_FULL_PARAMS``
+        not those of nested units. ``with_grads``: each parameter's ``.grad`` is its full
+        gradient (gathered from the shard grads; None where no rank has one), a copy:
+        edits to it are not written back. Units are in ``TrainingState.SUMMON_FULL_PARAMS``
         inside (forward is refused); on exit the full copies are dropped, so memory is
         back to the sharded footprint once nothing else references them.
         """
@@ -335,14 +443,29 @@ class FSDPModule(nn.Module):
             rank0_only=rank0_only,
             offload_to_cpu=offload_to_cpu,
             recurse=recurse,
+            with_grads=with_grads,
         )
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FSDPModule:
+        """As ``nn.Module.apply`` (``fn`` on every submodule, children first), with each
+        unit's full parameters summoned (``writeback=True``, one unit at a time:
+        ``recurse=False``) while ``fn`` runs on its modules, as FSDP1's: weight init after
+        wrapping (``model.apply(model._init_weights)``) writes the shards. Collective:
+        every rank calls it."""
+        with self.summon_full_params(writeback=True, recurse=False):
+            super().apply(fn)
+        return self
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         """``model.to(dtype)``, ``.half()``, ``.bfloat16()``... after wrapping would cast the
-        fp32 masters (and the optimizer's view of them): refused before anything changes;
-        with orig params, so is a move to another device."""
-        probe = fn(torch.empty(0, dtype=torch.float32))
-        orig = [f for u in units_of(self) for f in u.flat_params if f.orig_params is not None]
+        master shards (and the optimizer's view of them): refused before anything changes;
+        with orig params, so is a move to another device. ``to_empty`` (FSDP2's habit after
+        wrapping a meta model) keeps everything: fsdp_lite materialized and initialized the
+        shards when it wrapped; initialize again with ``model.apply(fn)``."""
+        flats = [f for u in units_of(self) for f in u.flat_params]
+        if _allocates_empty(fn):
+            return self
+        orig = [f for f in flats if f.orig_params is not None]
         moved = orig and fn(torch.empty(0, device=orig[0].shard.device)).device
         if orig and moved != orig[0].shard.device:
             raise TypeError(
@@ -350,13 +473,17 @@ class FSDPModule(nn.Module):
                 "parameters (optimizer_params 'pieces' or 'whole': views of the shards) off the "
                 "shards. Pass device= to FSDPModule, or move the module before wrapping"
             )
-        if isinstance(probe, torch.Tensor) and probe.dtype != torch.float32:
-            raise TypeError(
-                f"fsdp_lite: casting a wrapped model to {probe.dtype} would cast its fp32 master "
-                "shards. To compute in low precision, pass mixed_precision=fsdp_lite."
-                f"MixedPrecision(param_dtype={probe.dtype}) when wrapping, or cast the module "
-                "before wrapping (it then computes in that dtype; masters stay fp32)"
-            )
+        for dtype in {f.shard.dtype for f in flats} or {torch.float32}:
+            probe = fn(torch.empty(0, dtype=dtype))
+            if isinstance(probe, torch.Tensor) and probe.dtype != dtype:
+                raise TypeError(
+                    f"fsdp_lite: casting a wrapped model to {probe.dtype} would cast its "
+                    f"{_short(dtype)} master shards. To compute in low precision, pass "
+                    f"mixed_precision=fsdp_lite.MixedPrecision(param_dtype={probe.dtype}) "
+                    "when wrapping; for pure "
+                    f"{probe.dtype} (shards and optimizer state too), cast the module before "
+                    "wrapping and pass fp32_masters=False"
+                )
         return super()._apply(fn, recurse)
 
     def __getattr__(self, name: str) -> Any:
@@ -423,6 +550,33 @@ class FSDPModule(nn.Module):
         }
 
 
+def _short(dtype: torch.dtype) -> str:
+    """``fp32``, ``bf16``, ``fp16`` (else torch's name)."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return names.get(dtype, str(dtype))
+
+
+class _RecordOps(TorchDispatchMode):
+    """Records the aten ops run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[Any] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.ops.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _allocates_empty(fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Is ``fn`` what ``nn.Module.to_empty`` applies (new storage, no copy)?"""
+    with _RecordOps() as record:
+        fn(torch.zeros(1))
+    empty = {torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format}
+    copies = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
+    return bool(record.ops & empty) and not record.ops & copies
+
+
 @dataclasses.dataclass(frozen=True)
 class _Options:
     """What the user asked of the outermost FSDPModule, in its arguments' order: every unit
@@ -438,16 +592,19 @@ class _Options:
     offload: Any
     param_init_fn: Callable[[nn.Module], None] | None
     optimizer_params: str  # "flat", "pieces" or "whole"
+    fp32_masters: bool = True  # False: shards keep a low-precision model's dtype
 
 
 @dataclasses.dataclass(frozen=True)
 class _TreePlan:
     """What the outermost unit works out for its whole tree (deferred init's plan, the
-    whole-params owners), and per unit the parameters an enclosing unit takes (a tie)."""
+    whole-params owners, what it leaves unsharded), and per unit the parameters an
+    enclosing unit takes (a tie)."""
 
     init_plan: deferred_init.InitPlan | None = None
     owners: dict[ownership.Location, int] | None = None
     defer: frozenset[int] = frozenset()
+    ignore: ignored.Ignored | None = None  # checked, not yet taken (the outermost unit takes it)
 
 
 def _child(options: _Options, plan: _TreePlan, module: nn.Module, defer: set[int]) -> FSDPModule:

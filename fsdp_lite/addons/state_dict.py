@@ -44,10 +44,14 @@ def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def check_idle(root: nn.Module, doing: str) -> list[Unit]:
-    """Every unit of ``root``'s tree, after checking that each is IDLE."""
+    """Every unit of ``root``'s tree, after checking that each is IDLE and taking in orig
+    params given new ``.data`` (``FlatParam.adopt_orig_writes``)."""
     units = units_of(root)
     for unit in units:
         check_state(unit.name, unit.state, TrainingState.IDLE, doing=doing)
+    for unit in units:
+        for flat in unit.flat_params:
+            flat.adopt_orig_writes()
     return units
 
 
@@ -253,7 +257,8 @@ def full_grads(root: nn.Module) -> dict[str, torch.Tensor]:
     """Gradients of every trainable parameter, unsharded, keyed like the state dict.
 
     Collective; for tests and debugging (it materializes every gradient on every rank).
-    Parameters without a gradient this iteration read as zeros.
+    Parameters without a gradient this iteration read as zeros; parameters left unsharded
+    (ignored ones, whole on every rank) read as their own ``.grad``.
     """
     check_idle(root, "gather gradients")
     values = _gather_slots(flat_params(root), grads=True, keep=True)
@@ -261,8 +266,12 @@ def full_grads(root: nn.Module) -> dict[str, torch.Tensor]:
     for prefix, module in clean_named_modules(root):
         pre = f"{prefix}." if prefix else ""
         for name in _param_names(module):
+            p = module._parameters.get(name)
             if (id(module), name) in values:
                 out[pre + name] = values[(id(module), name)]
+            elif p is not None and p.requires_grad:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                out[pre + name] = grad.detach().to("cpu", torch.float32, copy=True)
     return out
 
 

@@ -37,13 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite.core import accounting, collectives, divergence, schedule
+from fsdp_lite.core import accounting, collectives, divergence, ignored, schedule
 from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.nested import cast_floats, in_backward, tensors_in
 from fsdp_lite.core.optimizer_check import loose_parameters, shapes_of
 from fsdp_lite.core.reduce import PendingGrad
 from fsdp_lite.core.state import TrainingState
-from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of, unwrap
+from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of, units_of, unwrap
 from fsdp_lite.core.unit import Unit, outside_inference_mode
 from fsdp_lite.core.unit_init import check_initialized, check_replicas_agree
 
@@ -65,6 +65,7 @@ def register_hooks(unit: Unit) -> None:
         if unit.root is not None:  # None: making the root raised in the pre-hook
             unit.root.post_forward(unit, output)
 
+    release_nested(unit)
     disable = functools.partial(torch._dynamo.disable, recursive=True)
     unit.module.register_forward_pre_hook(disable(pre), prepend=True, with_kwargs=True)
     # always_call: also after an exception in forward, to reshard and return to IDLE.
@@ -75,6 +76,15 @@ def register_hooks(unit: Unit) -> None:
         flat.post_accumulate_hook = functools.partial(
             _post_accumulate, weakref.ref(unit), weakref.ref(flat)
         )
+
+
+def release_nested(unit: Unit) -> None:
+    """A wrapped model wrapped again (``FSDPModule(wrapped)``, ``FSDPModule(nn.Sequential(
+    wrapped, head))``): the units nested in ``unit``'s module that already ran under a root
+    leave it, so that ``unit``'s tree gets one root at its first forward (``Root.release``;
+    ``check_wrappable`` refused it before anything changed unless they are all IDLE)."""
+    for old in {id(u.root): u.root for u in units_of(unit.module) if u.root is not None}.values():
+        old.release()
 
 
 def _post_accumulate(unit_ref: weakref.ref, flat_ref: weakref.ref, full: torch.Tensor) -> None:
@@ -89,6 +99,8 @@ class Root:
 
     def __init__(self, unit: Unit) -> None:
         units = [unit] + [u for m in unit.module.modules() if (u := unit_of(m)) is not None]
+        for old in {id(u.root): u.root for u in units if u.root is not None}.values():
+            old.release()  # units that ran under another root (a unit run directly first)
         names = {id(m): n for n, m in clean_named_modules(unit.module)}
         for u in units:
             path = names.get(id(unwrap(u.module)), "")
@@ -99,6 +111,11 @@ class Root:
         for u in units:  # each raises on every rank alike; the next forward checks again
             check_replicas_agree(u)
             check_initialized(u)
+        # The ignored parameters of the tree, whose gradients this root averages (ignored.py).
+        self.replicas = ignored.Replicas(
+            unit.module, unit.process_group, unit.replicate_group, unit.name
+        )
+        self.replicas.check_agree(unit.device)
         for u in units:
             u.frozen_early = _frees_frozen_early(u, units)
             u.root, u.is_root = self, u is unit
@@ -114,6 +131,29 @@ class Root:
         self.pending: list[PendingGrad] = []  # reduce-scatters in flight
         self.callback_queued = False  # the end-of-backward callback of this backward
         self.inputs_checked = False  # see _check_inputs
+        self.averaging_queued = False  # _average_alone queued (a backward through no unit)
+        self.replicas.watch(functools.partial(_ignored_grad_arrived, weakref.ref(self)))
+
+    def release(self) -> None:
+        """Let go of every unit of this tree, between iterations: some of them were wrapped
+        again by an outer unit (or are run by a root made for a unit around them), whose
+        root takes them at its first forward. A unit of this tree run again afterwards
+        joins that root, or makes a root of its own."""
+        busy = [u for u in self.units if u.state is not TrainingState.IDLE]
+        if busy or self.pending or self.callback_queued:
+            what = f"unit '{busy[0].name}' is in state {busy[0].state.name}" if busy else (
+                "its backward has not finished")  # fmt: skip
+            raise RuntimeError(
+                f"fsdp_lite: the units of root '{self.unit.name}' are taken over by another "
+                f"root (a wrapped model wrapped again) in the middle of an iteration: {what}. "
+                "Wrap it again, or run the new root, between iterations (after backward "
+                "finished; after an exception in backward call reset_training_state() first)"
+            )
+        for u in self.units:
+            u.reshard()  # full parameters the old root kept from its last forward
+            if u.root is self:
+                u.root, u.is_root = None, False
+        self.replicas.unwatch()  # the new root averages them
 
     def _build_schedule(self) -> schedule.Schedule[Unit]:
         return schedule.build(
@@ -143,7 +183,8 @@ class Root:
                 return (args, kwargs)
             if unit.is_root:
                 self._start_iteration(args, kwargs)
-            unit.start_forward()
+            if unit.start_forward():  # frozen or unfrozen since
+                unit.frozen_early = _frees_frozen_early(unit, self.units)
             if unit.is_root:
                 divergence.start_iteration(unit.name, unit.process_group, unit.device)
                 self.forward_order.start()
@@ -156,10 +197,14 @@ class Root:
     def _start_iteration(self, args: tuple, kwargs: dict) -> None:
         """At the root's forward: recover from an interrupted backward, refuse gradients no
         backward reduced, free full parameters kept from a forward whose backward never
-        came, and (once) check what the inputs were computed from."""
+        came, take in orig params given new ``.data``, and (once) check what the inputs were
+        computed from."""
         self._recover_if_interrupted()
         self._check_no_unreduced_grads()
         self._free_kept()
+        for unit in self.units:
+            for flat in unit.flat_params:
+                flat.adopt_orig_writes()
         self._check_inputs(args, kwargs)
 
     def post_forward(self, unit: Unit, output: Any) -> None:
@@ -211,6 +256,7 @@ class Root:
             unit.drop_unreduced_grads()
         self.prefetched.clear()
         self.callback_queued = False
+        self.averaging_queued = False
 
     def _free_kept(self) -> None:
         """Free full parameters kept from the last forward (the root's,
@@ -345,14 +391,18 @@ class Root:
 
         A gradient no post-backward of this backward took (one reached a unit in IDLE, one
         kept under no_sync by a unit this backward missed) is reduced here, through the same
-        path, in unit order, the same on every rank."""
+        path, in unit order, the same on every rank. The ignored parameters' gradients are
+        averaged (``ignored.py``), issued before the reduce-scatters are waited for."""
         with accounting.region("fsdp_lite::finish_backward"):
             for unit in self.units:
                 for flat in unit.flat_params:
                     self._reduce(unit, flat)
+            averaging = self.replicas.start() if self.unit.sync_grads else None
             for pending in self.pending:
                 pending.finish()
             self.pending.clear()
+            if averaging is not None:
+                averaging.finish()
             for home in self.homes:
                 home.end_of_backward()
             for unit in self.units:
@@ -364,9 +414,32 @@ class Root:
             self._freeze(self.backward_order)
             self.callback_queued = False
 
+    def ignored_grad_arrived(self) -> None:
+        """A gradient of an ignored parameter was accumulated. A backward that passes
+        through no unit's outputs (a loss through an ignored head called outside forward)
+        queues no ``finish_backward``: the averaging is queued alone."""
+        if self.callback_queued or self.averaging_queued:
+            return
+        self.averaging_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._average_alone)
+
+    def _average_alone(self) -> None:
+        self.averaging_queued = False
+        if self.callback_queued:
+            return  # a unit's backward began after it: finish_backward averages
+        averaging = self.replicas.start() if self.unit.sync_grads else None
+        if averaging is not None:
+            averaging.finish()
+
 
 def _pre_backward_hook(root: Root, unit: Unit, grad: Any) -> None:
     root.pre_backward(unit)
+
+
+def _ignored_grad_arrived(root_ref: weakref.ref) -> None:
+    root = root_ref()
+    if root is not None:
+        root.ignored_grad_arrived()
 
 
 def _graph_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -393,6 +466,8 @@ def _frees_frozen_early(unit: Unit, units: list[Unit]) -> bool:
         return False
     if any(unit_of(m) is not None for m in unit.module.modules()):
         return False  # nested units: nodes here may lead only to their parameters
+    if ignored.find(unit.module):
+        return False  # ignored parameters: nodes here may lead only to them
     region = {id(m) for m in region_modules(unit.module)}
     return not any(
         id(module) in region

@@ -7,11 +7,18 @@ import weakref
 import torch
 from torch import nn
 
-from fsdp_lite.core import collectives, deferred_init, optimizer_check, ownership
+from fsdp_lite.core import collectives, deferred_init, optim_view, optimizer_check, ownership
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.flat_param import FlatParam, ParamSlot, master_dtype
 from fsdp_lite.core.nested import cast_floats
-from fsdp_lite.core.tree import clean_named_modules, is_sharded, region_modules, unit_of
+from fsdp_lite.core.state import TrainingState, check_state
+from fsdp_lite.core.tree import (
+    SHARDED_FLAG,
+    clean_named_modules,
+    region_modules,
+    unit_of,
+    units_of,
+)
 from fsdp_lite.core.unit import Unit
 from fsdp_lite.core.wrap import unowned_parameters
 
@@ -124,6 +131,7 @@ def _make_flat(
         replicate_group=unit.replicate_group,
         sync=sync,
         owners=ranks,
+        fp32_masters=unit.fp32_masters,
     )
     for slot in flat.slots:
         for sub, attr in slot.locations:
@@ -275,14 +283,25 @@ def check_wrappable(
     mixed_precision: MixedPrecision | None,
     prefetch: PrefetchPolicy | None,
     offload: object,
+    *,
+    ignored: frozenset[int] = frozenset(),
 ) -> None:
-    """Reject bad arguments before anything is changed."""
+    """Reject bad arguments before anything is changed. Parameters left unsharded
+    (``ignored``: their ids, before they are marked; ``ignored.py``) may sit elsewhere."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"FSDPModule wraps an nn.Module, got {type(module).__name__}")
-    if is_sharded(module):
+    if module.__dict__.get(SHARDED_FLAG):  # a unit's module, or a wrapper an outer unit wraps
         raise ValueError(
             f"{type(module).__name__} is already wrapped by fsdp_lite.FSDPModule: "
             "wrap each module once (nest units by wrapping children first, then the parent)"
+        )
+    for unit in units_of(module):  # a wrapped model wrapped again: see root.release_nested
+        check_state(
+            unit.name,
+            unit.state,
+            TrainingState.IDLE,
+            doing="be wrapped again by an outer FSDPModule (wrap between iterations, after "
+            "backward finished; after an exception in backward call reset_training_state() first)",
         )
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(
@@ -294,7 +313,11 @@ def check_wrappable(
         raise TypeError(
             f"offload must be fsdp_lite.CPUOffload, SSDOffload or None, got {offload!r}"
         )
-    devices = {str(p.device) for p in module.parameters() if not p.is_meta}
+    devices = {
+        str(p.device)
+        for p in module.parameters()
+        if not p.is_meta and id(p) not in ignored and optim_view.replicated_ranks(p) is None
+    }
     if len(devices) > 1:
         raise ValueError(
             f"{type(module).__name__}'s parameters sit on different devices ({sorted(devices)}): "
