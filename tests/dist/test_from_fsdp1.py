@@ -16,7 +16,8 @@ many cases in one spawn, each reported by name; issue 40):
   before wrapping trains;
 - ``summon_full_params(with_grads=True)``; ``model.apply(fn)``; pure fp16
   (``fp32_masters=False`` on a ``.half()`` model) and ``.half()`` after wrapping refused;
-  unfreezing a parameter frozen at wrap time.
+  unfreezing a parameter frozen at wrap time; unfreezing on some ranks only raises
+  DivergenceError on every rank.
 """
 
 from __future__ import annotations
@@ -292,6 +293,21 @@ def _unfreeze_frozen_at_wrap() -> None:
         _same_params(model, ref, f"{layout} unfrozen")
 
 
+def _unfrozen_on_some_ranks_only() -> None:
+    """A parameter unfrozen on rank 0 only (as where only some ranks hold a piece of it):
+    every rank raises DivergenceError instead of hanging. Last: it leaves the group's
+    iteration unfinished."""
+    rank, world = _rank_world()
+    torch.manual_seed(0)
+    model = wrap_blocks(frozen_gpt(), optimizer_params="pieces")
+    batch = local_part(token_batch(world, 0), rank, world)
+    gpt_loss(model, batch).backward()
+    if rank == 0:
+        dict(model.named_parameters())["wpe.weight"].requires_grad_(True)
+    with pytest.raises(fsdp_lite.DivergenceError):
+        gpt_loss(model, batch).backward()
+
+
 # -- pure fp16 ----------------------------------------------------------------------------
 
 
@@ -323,6 +339,7 @@ def _cases(rank: int, world: int) -> dict[str, str | None]:
         ("optimizer built before wrapping", _optimizer_before_wrapping),
         ("unfreeze parameters frozen at wrap time", _unfreeze_frozen_at_wrap),
         ("pure fp16", _pure_fp16),
+        ("unfrozen on some ranks only: DivergenceError", _unfrozen_on_some_ranks_only),
     ]
     return run_subtests(cases)
 
