@@ -97,6 +97,7 @@ class OrigParam:
     numel: int
     param: nn.Parameter  # a view of shard[at : at + numel] (its grad: of the shard grad's)
     shape: tuple[int, ...]  # the view's shape
+    ptr: int  # where the view's data starts (the shard never moves once placed)
 
 
 class OrigParams:
@@ -138,7 +139,10 @@ class OrigParams:
                 mark_shard(param, ranks, compute_dtype)
                 if cut:
                     param.__dict__[_CUT_ATTR] = shape
-                self.pieces.append(OrigParam(name, slot, at, numel, param, view_shape))
+                self.pieces.append(
+                    OrigParam(name, slot, at, numel, param, view_shape, view.data_ptr())
+                )
+        self._ptrs = [o.ptr for o in self.pieces]
         for slot, original in enumerate(originals):
             if slot not in held and original is not None:
                 mark_shard(original, ranks, compute_dtype)  # empty: never a gradient
@@ -166,10 +170,10 @@ class OrigParams:
     def adopt_writes(self, before_write: Callable[[nn.Parameter], None]) -> None:
         """Pieces whose ``.data`` was replaced: their values into the shard, then view it
         again (see ``FlatParam.adopt_orig_writes``)."""
+        if [o.param.data_ptr() for o in self.pieces] == self._ptrs:
+            return  # the steady state: one pointer read per piece
         shard = self.shard.detach()
-        moved = [o for o in self.pieces if not self._viewing_shard(o.param, o, shard)]
-        if not moved:
-            return
+        moved = [o for o in self.pieces if o.param.data_ptr() != o.ptr]
         before_write(self.shard)
         with torch.no_grad():
             for o in moved:
