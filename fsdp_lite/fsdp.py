@@ -572,9 +572,8 @@ def _allocates_empty(fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
     """Is ``fn`` what ``nn.Module.to_empty`` applies (new storage, no copy)?"""
     with _RecordOps() as record:
         fn(torch.zeros(1))
-    empty = {torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format}
     copies = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
-    return bool(record.ops & empty) and not record.ops & copies
+    return bool(record.ops & deferred_init.EMPTY_OPS) and not record.ops & copies
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,18 @@ A tied parameter is initialized by the first module (in module order) that regis
 as when a model ties a later module's weight to an earlier one's; the other modules'
 inits run on a scratch copy, so the RNG still advances exactly as in the eager build.
 
+[Note: what param_init_fn receives]
+``param_init_fn(module)`` is called with the module's own tensors still on the meta
+device, as FSDP1 calls it, so its users' functions (test ``is_meta``, then ``to_empty(...,
+recurse=False)`` and ``reset_parameters()``) work unchanged. A function that leaves
+tensors on meta -- one that writes into real tensors in place, or ``no_init`` -- is
+called again on real, NaN-filled storage. Either way every ``empty`` allocation made
+while it runs is NaN (``_EmptyIsNaN``), so storage no init writes stays NaN, and the
+first forward of the unit refuses NaN shards naming the parameters
+(``unit_init.check_initialized``), unless a load wrote them since. While the plan is made,
+the function runs on a shallow copy of each module with meta copies of its own tensors,
+so the RNG advances as it will when the unit materializes the module.
+
 [Note: Hugging Face models]
 A module inside a Hugging Face ``PreTrainedModel`` (found by duck typing: the nearest
 enclosing module with ``_init_weights``, e.g. the root, or a PeftModel's base model) is
@@ -158,20 +170,22 @@ def _initialize(module: nn.Module, plan: InitPlan, name: str) -> None:
     _hf_init(module, chain)
 
 
+# The ops that allocate storage without writing it (what ``nn.Module.to_empty`` runs).
+EMPTY_OPS = frozenset(
+    {
+        torch.ops.aten.empty_like.default,
+        torch.ops.aten.empty.memory_format,
+        torch.ops.aten.empty_strided.default,
+        torch.ops.aten.new_empty.default,
+        torch.ops.aten.new_empty_strided.default,
+    }
+)
+
+
 class _EmptyIsNaN(TorchDispatchMode):
     """Within the block, every new floating-point tensor made with ``empty`` (what
     ``to_empty`` allocates) is NaN, never whatever memory held: storage no init writes
     stays NaN, which the first forward refuses (``unit_init.check_initialized``)."""
-
-    _EMPTY = frozenset(
-        {
-            torch.ops.aten.empty_like.default,
-            torch.ops.aten.empty.memory_format,
-            torch.ops.aten.empty_strided.default,
-            torch.ops.aten.new_empty.default,
-            torch.ops.aten.new_empty_strided.default,
-        }
-    )
 
     def __torch_dispatch__(
         self,
@@ -181,7 +195,7 @@ class _EmptyIsNaN(TorchDispatchMode):
         kwargs: dict | None = None,
     ) -> object:
         out = func(*args, **(kwargs or {}))
-        if func in self._EMPTY and out.is_floating_point() and not out.is_meta:
+        if func in EMPTY_OPS and out.is_floating_point() and not out.is_meta:
             out.fill_(math.nan)
         return out
 
