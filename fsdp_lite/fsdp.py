@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_lite.addons import state_dict as _state_dict
 from fsdp_lite.addons import state_dict_type as _sdt
@@ -463,7 +462,14 @@ class FSDPModule(nn.Module):
         wrapping a meta model) keeps everything: fsdp_lite materialized and initialized the
         shards when it wrapped; initialize again with ``model.apply(fn)``."""
         flats = [f for u in units_of(self) for f in u.flat_params]
-        if _allocates_empty(fn):
+        if deferred_init.allocates_empty(fn):
+            target = fn(torch.zeros(0)).device
+            if target.type != self.device.type:
+                raise TypeError(
+                    f"fsdp_lite: to_empty(device={target}) after wrapping: the shards were "
+                    f"materialized on {self.device} when the model was wrapped. Pass "
+                    f"device={target} to FSDPModule instead"
+                )
             return self
         orig = [f for f in flats if f.orig_params is not None]
         moved = orig and fn(torch.empty(0, device=orig[0].shard.device)).device
@@ -554,26 +560,6 @@ def _short(dtype: torch.dtype) -> str:
     """``fp32``, ``bf16``, ``fp16`` (else torch's name)."""
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     return names.get(dtype, str(dtype))
-
-
-class _RecordOps(TorchDispatchMode):
-    """Records the aten ops run inside the block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: set[Any] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        self.ops.add(func)
-        return func(*args, **(kwargs or {}))
-
-
-def _allocates_empty(fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    """Is ``fn`` what ``nn.Module.to_empty`` applies (new storage, no copy)?"""
-    with _RecordOps() as record:
-        fn(torch.zeros(1))
-    copies = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
-    return bool(record.ops & deferred_init.EMPTY_OPS) and not record.ops & copies
 
 
 @dataclasses.dataclass(frozen=True)

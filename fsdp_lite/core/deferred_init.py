@@ -182,6 +182,32 @@ EMPTY_OPS = frozenset(
 )
 
 
+class _RecordOps(TorchDispatchMode):
+    """Records the aten ops run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[torch._ops.OpOverload] = set()
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: object,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> object:
+        self.ops.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+def allocates_empty(fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Is ``fn`` what ``nn.Module.to_empty`` applies to each tensor (new storage, no copy)?"""
+    with _RecordOps() as record:
+        fn(torch.zeros(1))
+    copies = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
+    return bool(record.ops & EMPTY_OPS) and not record.ops & copies
+
+
 class _EmptyIsNaN(TorchDispatchMode):
     """Within the block, every new floating-point tensor made with ``empty`` (what
     ``to_empty`` allocates) is NaN, never whatever memory held: storage no init writes

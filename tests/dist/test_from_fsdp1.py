@@ -146,6 +146,8 @@ def _to_empty_then_apply() -> None:
     before = model.state_dict()
     model.to_empty(device="cpu")
     _same_params(model, ref, "to_empty after wrapping keeps the values", atol=0)
+    with pytest.raises(TypeError, match=r"to_empty\(device=meta\) after wrapping"):
+        model.to_empty(device="meta")
     assert before.keys() == model.state_dict().keys()
     model.apply(init)
     ref.apply(init)
