@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_lite.addons import state_dict as _state_dict
 from fsdp_lite.addons import state_dict_type as _sdt
@@ -115,6 +116,11 @@ class FSDPModule(nn.Module):
             module outside ``module``, one on the meta device, a parameter tied to one that
             is sharded (see ``core/ignored.py``).
         ignored_params: FSDP2's: parameters left unsharded the same way, wherever used.
+        mesh: FSDP2's way to give the ranks: a 1-D ``DeviceMesh`` (shard over it) or a 2-D
+            one with dims (replicate, shard) (hybrid sharding), usually the data-parallel
+            slice of the world mesh (``world["dp"]``, ``world["dp_replicate", "dp_shard"]``).
+            Instead of ``process_group``, not with it. Parameters that are DTensors (tensor
+            or sequence parallel on other dims of the mesh) are refused for now.
     """
 
     def __init__(
@@ -138,8 +144,11 @@ class FSDPModule(nn.Module):
         fp32_masters: bool = True,
         ignored_modules: Iterable[nn.Module] | None = None,
         ignored_params: Iterable[nn.Parameter] | None = None,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__()
+        if mesh is not None:
+            process_group = collectives.mesh_groups(mesh, process_group)
         options = _Options(
             process_group, auto_wrap_policy, reshard_after_forward, mixed_precision,
             sync_module_states, device, prefetch, offload, param_init_fn,

@@ -170,6 +170,33 @@ def resolve_groups(
     return resolve_group(group), None
 
 
+def mesh_groups(
+    mesh: object, process_group: object
+) -> ProcessGroup | tuple[ProcessGroup, ProcessGroup]:
+    """FSDPModule's ``process_group`` from FSDP2's ``mesh=``: a 1-D ``DeviceMesh`` is the
+    shard group; a 2-D one is (replicate, shard) -- hybrid sharding, as FSDP2 reads it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+    if process_group is not None:
+        raise ValueError(
+            "FSDPModule got both mesh= and process_group=: pass one (mesh=dp_mesh, FSDP2's "
+            "name, or process_group=, a group or a (shard, replicate) pair)"
+        )
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1:
+        return mesh.get_group(0)
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0)  # (shard, replicate)
+    raise ValueError(
+        f"FSDPModule(mesh=...) takes a 1-D mesh (shard over it) or a 2-D mesh with dims "
+        f"(replicate, shard); got a {mesh.ndim}-D mesh{f' with dims {names}' if names else ''}. "
+        "Pass the data-parallel slice of the world mesh, e.g. world['dp'] or "
+        "world['dp_replicate', 'dp_shard']"
+    )
+
+
 def separate_group(group: ProcessGroup) -> ProcessGroup:
     """A second process group over ``group``'s ranks (one per rank set, cached), for the
     reduce-scatters: one NCCL communicator runs one collective at a time, whatever the

@@ -313,6 +313,7 @@ def check_wrappable(
         raise TypeError(
             f"offload must be fsdp_lite.CPUOffload, SSDOffload or None, got {offload!r}"
         )
+    _refuse_dtensors(module, ignored)
     devices = {
         str(p.device)
         for p in module.parameters()
@@ -324,6 +325,22 @@ def check_wrappable(
             "move the module to one device (e.g. module.to('cpu')) before wrapping; "
             "FSDPModule then moves it to its compute device"
         )
+
+
+def _refuse_dtensors(module: nn.Module, ignored: frozenset[int]) -> None:
+    """DTensor parameters (tensor, sequence or expert parallel on other mesh dims) cannot
+    be flattened yet: refused before anything changes, on every rank alike."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor) and id(p) not in ignored:
+            raise NotImplementedError(
+                f"fsdp_lite: parameter '{name}' is a DTensor (mesh {p.device_mesh}, "
+                f"placements {p.placements}): fsdp_lite does not yet compose with tensor, "
+                "sequence or expert parallelism. Shard such a model with torch's "
+                "fully_shard(module, mesh=dp_mesh), or wrap it with fsdp_lite without "
+                "parallelize_module"
+            )
 
 
 def install_fp32_modules(module: nn.Module, mp: MixedPrecision | None) -> None:

@@ -1,5 +1,6 @@
 """Hybrid sharding, W=4 as 2 shard groups of 2: training equals the reference; gathers
-never leave the shard group; one all-reduce per trainable flat param crosses replicas."""
+never leave the shard group; one all-reduce per trainable flat param crosses replicas.
+The same through FSDP2's ``mesh=`` (2-D and 1-D), and what ``mesh=`` refuses."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from cases import gpt, gpt_run, token_batch, wrap_blocks
 
 import fsdp_lite
@@ -57,6 +61,36 @@ def _observed_collectives(rank: int, world: int, groups) -> None:
     assert gathers and all(g == mates for g in gathers), (mates, gathers)
 
 
+def _mesh_runs(world: int) -> list:
+    """FSDP2's ``mesh=``: a 2-D (replicate, shard) mesh is hybrid sharding, a 1-D one
+    shards over every rank."""
+    two_d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    one_d = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    return [
+        gpt_run("mesh= 2-D", world, wrap=functools.partial(wrap_blocks, mesh=two_d)),
+        gpt_run("mesh= 1-D", world, wrap=functools.partial(wrap_blocks, mesh=one_d)),
+    ]
+
+
+def _mesh_refused() -> None:
+    """Both mesh= and process_group=, a 3-D mesh, a DTensor parameter: each refused before
+    anything changes."""
+    one_d = init_device_mesh("cpu", (4,))
+    with pytest.raises(ValueError, match="both mesh= and process_group="):
+        fsdp_lite.FSDPModule(gpt(), mesh=one_d, process_group=one_d.get_group())
+    three_d = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    with pytest.raises(ValueError, match=r"3-D mesh with dims \('pp', 'dp', 'tp'\).*world\['dp'\]"):
+        fsdp_lite.FSDPModule(gpt(), mesh=three_d)
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        fsdp_lite.FSDPModule(gpt(), mesh=one_d.get_group())
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    world2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(mlp, world2["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with pytest.raises(NotImplementedError, match=r"'0.weight' is a DTensor.*fully_shard"):
+        fsdp_lite.FSDPModule(mlp, mesh=world2["dp"])
+    assert isinstance(mlp[0].weight, DTensor) and not units_of(mlp)  # nothing changed
+
+
 def _hybrid(rank: int, world: int) -> dict:
     with pytest.raises(ValueError, match="must divide the world size 4"):
         fsdp_lite.hybrid_groups(3)
@@ -67,6 +101,8 @@ def _hybrid(rank: int, world: int) -> dict:
     ]
     observed = functools.partial(_observed_collectives, rank, world, groups)
     cases.append(("gathers within the shard group, all-reduces across replicas", observed))
+    cases += [(run.name, functools.partial(compare_training, run)) for run in _mesh_runs(world)]
+    cases.append(("mesh=: bad meshes and DTensor parameters refused", _mesh_refused))
     return run_subtests(cases)
 
 
