@@ -193,9 +193,7 @@ class FSDPModule(nn.Module):
             )  # fmt: skip
             plan = dataclasses.replace(plan, ignore=None)
         if plan.init_plan is None and deferred_init.has_meta_tensors(module):
-            plan = dataclasses.replace(
-                plan, init_plan=self._plan_deferred_init(module, o)
-            )
+            plan = dataclasses.replace(plan, init_plan=self._plan_deferred_init(module, o))
         # The outermost unit plans whole params' owners for its tree.
         if o.optimizer_params == "whole" and plan.owners is None:
             owners = ownership.plan_owners(list(unowned_parameters(module)), self.process_group)
@@ -238,18 +236,51 @@ class FSDPModule(nn.Module):
         """Accumulate gradients locally, unsharded, with no communication.
 
         The first backward outside the context reduce-scatters the sum. Costs one
-        unsharded fp32 gradient per flat param for the duration.
+        unsharded fp32 gradient per flat param for the duration. The same as
+        ``set_requires_gradient_sync(False)`` inside, ``True`` after.
         """
-        units = self._tree_units()
-        for unit in units:
-            check_state(unit.name, unit.state, TrainingState.IDLE, doing="enter no_sync")
-        for unit in units:
-            unit.sync_grads = False
+        self.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            for unit in units:
-                unit.sync_grads = True
+            self.set_requires_gradient_sync(True)
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """FSDP2's: ``False`` accumulates gradients unsharded with no communication (as
+        ``no_sync``) until set ``True``; the next backward then reduce-scatters the sum.
+        ``recurse``: every unit of this module's tree, else this unit only. Between steps or
+        micro-batches."""
+        for unit in self._units_to_set(recurse, "set_requires_gradient_sync"):
+            unit.sync_grads = bool(requires_gradient_sync)
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """FSDP2's: ``False`` keeps each unit's full parameters across micro-batches while
+        gradients are not synced, so a step of N micro-batches gathers each unit once
+        (twice where it is resharded after forward) instead of 2N times; a backward that
+        syncs frees them, so the optimizer never steps under them. Costs every unit's full
+        parameters at once. Kept parameters are gathered again if the shards changed (an
+        optimizer step or a load between micro-batches). See ``docs/how-a-step-works.md``.
+        """
+        for unit in self._units_to_set(recurse, "set_reshard_after_backward"):
+            unit.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """FSDP2's: the ``reshard_after_forward`` argument, changed between steps."""
+        units = self._units_to_set(recurse, "set_reshard_after_forward")
+        for unit in units:
+            unit.reshard_after_forward = bool(reshard_after_forward)
+        for owner in {id(u.root): u.root for u in units if u.root is not None}.values():
+            owner.rebuild_schedule()
+
+    def _units_to_set(self, recurse: bool, doing: str) -> list[Unit]:
+        units = self._tree_units() if recurse else [self._unit]
+        for unit in units:
+            check_state(unit.name, unit.state, TrainingState.IDLE, doing=doing)
+        return units
 
     def set_separate_reduce_scatter_group(self, enable: bool = True) -> None:
         """Reduce-scatter the gradients of every unit in this tree on a process group of

@@ -173,6 +173,14 @@ class FlatParam:
             return self.shard.requires_grad
         return self.requires_grad or any(o.param.requires_grad for o in self.orig_params)
 
+    def version(self) -> int:
+        """Grows whenever the shard, or what the optimizer sees of it, is written in place
+        (an optimizer step, a load): the version counters of the shard and its pieces
+        (``.data`` writes bypass them)."""
+        if self.orig_params is None:
+            return self.shard._version
+        return self.shard._version + sum(o.param._version for o in self.orig_params)
+
     def unshard(self, async_op: bool = False) -> None:
         """Cast the shard to the compute dtype and all-gather it into the full buffer.
 

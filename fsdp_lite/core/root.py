@@ -165,6 +165,10 @@ class Root:
             self.prefetch,
         )
 
+    def rebuild_schedule(self) -> None:
+        """A unit's ``reshard_after_forward`` changed (``set_reshard_after_forward``)."""
+        self.schedule = self._build_schedule()
+
     def _freeze(self, order: schedule.ExecOrder[Unit]) -> None:
         if order.freeze():
             self.schedule = self._build_schedule()
@@ -201,10 +205,10 @@ class Root:
         computed from."""
         self._recover_if_interrupted()
         self._check_no_unreduced_grads()
-        self._free_kept()
         for unit in self.units:
             for flat in unit.flat_params:
                 flat.adopt_orig_writes()
+        self._free_kept()
         self._check_inputs(args, kwargs)
 
     def post_forward(self, unit: Unit, output: Any) -> None:
@@ -252,7 +256,7 @@ class Root:
                 pending.wait()
         self.pending.clear()
         for unit in self.units:
-            unit.end_backward()
+            unit.end_backward(keep=False)
             unit.drop_unreduced_grads()
         self.prefetched.clear()
         self.callback_queued = False
@@ -265,9 +269,10 @@ class Root:
         the next root forward begins, so none is ever used after the optimizer (or a load,
         an EMA, a ``p.data`` write) changed the shards it was gathered from. A backward of
         that earlier forward still to come gathers them again, into the same storage its
-        graph saved."""
+        graph saved. Full parameters kept across micro-batches (``Unit.accumulating``) stay
+        while the shards' versions say they are unchanged (``Unit.kept_fresh``)."""
         for unit in self.units:
-            if unit.state is TrainingState.IDLE:
+            if unit.state is TrainingState.IDLE and not unit.kept_fresh():
                 unit.reshard()
 
     def _check_no_unreduced_grads(self) -> None:

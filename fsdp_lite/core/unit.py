@@ -31,6 +31,15 @@ that needs a gradient and reaches the unit other than through its arguments -- a
 attribute set by the caller, an object that is not a tuple, list, mapping or dataclass --
 is outside this argument.)
 
+[Note: keeping across micro-batches]
+With gradients not synced and ``reshard_after_backward`` off (``accumulating``), a unit
+frees its full parameters neither after forward nor in or after backward: a step of N
+micro-batches gathers once. A backward that syncs frees them (the optimizer step comes
+next), and so does ``Unit.end_backward`` after one. When it keeps them the unit records
+its shards' versions (``kept_stamp``); the root's next forward frees them unless
+``kept_fresh`` (unchanged since), so a load or optimizer step between micro-batches makes
+it gather again rather than compute with stale parameters.
+
 [Note: why freeing at the gradient's hook is safe]
 A node that reads a weight only for its input's gradient, with no autograd edge to the
 weight (``x @ W.detach()``, a custom ``autograd.Function`` handed ``W.detach()``), is not
@@ -90,7 +99,14 @@ class Unit:
         self.fp32_masters = fp32_masters  # low-precision parameters get fp32 shards
         self.flat_params: list[FlatParam] = []  # set by own(), after nested units exist
         self.state = TrainingState.IDLE
-        self.sync_grads = True  # False inside no_sync()
+        self.sync_grads = True  # False inside no_sync() / set_requires_gradient_sync(False)
+        # False: keep the full parameters across micro-batches while gradients are not
+        # synced (set_reshard_after_backward; see the Note on keeping across micro-batches).
+        self.reshard_after_backward = True
+        # The shards' versions when full parameters were last kept across a backward or an
+        # accumulating forward (None: nothing kept): the next micro-batch reuses them only
+        # if the shards did not change since (a load, an optimizer step).
+        self.kept_stamp: tuple[int, ...] | None = None
         # The Root (root.py) that runs this unit's step, set at its first forward; only
         # root.py reads it (from the hooks), the unit itself never calls it.
         self.root: Any = None
@@ -116,9 +132,24 @@ class Unit:
         return changed
 
     def end_forward(self, keep_full: bool) -> None:
-        if not keep_full:
+        if self.accumulating():
+            self.kept_stamp = self._stamp()
+        elif not keep_full:
             self.reshard()
         self.state = TrainingState.IDLE
+
+    def accumulating(self) -> bool:
+        """Between micro-batches of one step (gradients not synced) with
+        ``reshard_after_backward=False``: full parameters stay until a backward that syncs."""
+        return not self.reshard_after_backward and not self.sync_grads
+
+    def _stamp(self) -> tuple[int, ...]:
+        return tuple(flat.version() for flat in self.flat_params)
+
+    def kept_fresh(self) -> bool:
+        """Are full parameters kept across micro-batches still those of the shards as they
+        are now (no optimizer step, load or in-place write since)?"""
+        return self.kept_stamp is not None and self.kept_stamp == self._stamp()
 
     def _follow_requires_grad(self) -> bool:
         """Freeze and unfreeze after wrapping: a flat param needs a gradient iff what the
@@ -150,6 +181,7 @@ class Unit:
             flat.use_full_views()
 
     def reshard(self) -> None:
+        self.kept_stamp = None
         for flat in self.flat_params:
             flat.reshard()
 
@@ -181,7 +213,8 @@ class Unit:
             "outputs detached or passed outside the autograd graph?)",
         )
         self.state = TrainingState.POST_BACKWARD
-        flat.reshard()
+        if not self.accumulating():
+            flat.reshard()
         return True
 
     def reduce_grad(self, flat: FlatParam) -> PendingGrad | None:
@@ -208,7 +241,7 @@ class Unit:
         self._free_frozen_if_done()
 
     def _free_frozen_if_done(self) -> None:
-        if self.frozen_early and self.state in _BACKWARD_STATES:
+        if self.frozen_early and self.state in _BACKWARD_STATES and not self.accumulating():
             if not self.grads_pending and not self.watches:
                 for flat in self.flat_params:
                     if not flat.requires_grad:
@@ -238,9 +271,13 @@ class Unit:
         mp = self.mixed_precision
         return flat.shard.dtype if mp is None else mp.effective_reduce_dtype
 
-    def end_backward(self) -> None:
-        """Resharded and IDLE, whatever this backward reached."""
-        self.reshard()
+    def end_backward(self, keep: bool = True) -> None:
+        """IDLE, whatever this backward reached; resharded unless accumulating (and
+        ``keep``: False after an interrupted backward)."""
+        if keep and self.accumulating():
+            self.kept_stamp = self._stamp()
+        else:
+            self.reshard()
         for flat in self.flat_params:
             flat.views = None  # they belong to this iteration's graph
         self.state = TrainingState.IDLE
