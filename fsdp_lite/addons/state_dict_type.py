@@ -18,6 +18,7 @@ each wrapper's ``state_dict`` / ``load_state_dict`` reads its own:
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 from torch import nn
@@ -33,15 +34,20 @@ from fsdp_lite.addons import checkpoints, state_dict
 from fsdp_lite.core.tree import unit_of
 
 ATTR = "_fsdp_lite_state_dict_type"  # in each FSDPModule's __dict__: its Setting
-_NAMES = {
-    "full": StateDictType.FULL_STATE_DICT,
-    "sharded": StateDictType.SHARDED_STATE_DICT,
-    "local": StateDictType.LOCAL_STATE_DICT,
-}
-_CONFIGS = {
-    StateDictType.FULL_STATE_DICT: FullStateDictConfig,
-    StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig,
-}
+# Constants (read-only): the names accepted for each type, and each type's config class.
+_NAMES = types.MappingProxyType(
+    {
+        "full": StateDictType.FULL_STATE_DICT,
+        "sharded": StateDictType.SHARDED_STATE_DICT,
+        "local": StateDictType.LOCAL_STATE_DICT,
+    }
+)
+_CONFIGS = types.MappingProxyType(
+    {
+        StateDictType.FULL_STATE_DICT: FullStateDictConfig,
+        StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig,
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)

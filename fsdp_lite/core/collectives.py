@@ -463,6 +463,29 @@ def all_reduce(
     return None
 
 
+def differ_across(
+    tensors: list[torch.Tensor],
+    groups: list[ProcessGroup],
+    device: torch.device,
+    unit: str | None = None,
+) -> torch.Tensor:
+    """Per tensor, whether its value differs between the ranks of ``groups`` (bool, shape
+    ``(len(tensors),)``): three float64 fingerprints of each (sum, sum of squares, a ramp-
+    weighted sum) and their negations, max-all-reduced in one small collective per group.
+    For checks made once (replicas that must start equal), not for the step."""
+    comm = comm_device(groups[0], device)
+    prints = []
+    for t in tensors:
+        v = t.detach().reshape(-1).to(comm, torch.float64)
+        ramp = torch.linspace(1.0, 2.0, v.numel(), dtype=torch.float64, device=comm)
+        prints.append(torch.stack([v.sum(), (v * v).sum(), (v * ramp).sum()]))
+    mine = torch.stack(prints)  # (len(tensors), 3)
+    both = torch.cat([mine, -mine])
+    for group in groups:
+        all_reduce(both, group, op="max", kind="replica_check", unit=unit)
+    return (both[: len(tensors)] != -both[len(tensors) :]).any(dim=1)
+
+
 def broadcast_from_first(tensor: torch.Tensor, groups: list[ProcessGroup | None]) -> None:
     """Make ``tensor`` equal on all ranks of the given groups (their first rank's value);
     with (replicate, shard) groups, every rank ends with global rank 0's value."""

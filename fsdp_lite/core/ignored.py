@@ -258,19 +258,7 @@ class Replicas:
         params = [p for p in self.averaged if p.requires_grad]
         if self.ranks == 1 or not params:
             return
-        group = self.groups[0]
-        comm = collectives.comm_device(group, device)
-        prints = []
-        for p in params:
-            t = p.detach().reshape(-1).to(comm, torch.float64)
-            ramp = torch.linspace(1.0, 2.0, t.numel(), dtype=torch.float64, device=comm)
-            prints.append(torch.stack([t.sum(), (t * t).sum(), (t * ramp).sum()]))
-        mine = torch.stack(prints)
-        both = torch.cat([mine, -mine])
-        for g in self.groups:
-            collectives.all_reduce(both, g, op="max", kind="replica_check", unit=self.name)
-        half = mine.shape[0]
-        differ = (both[:half] != -both[half:]).any(dim=1)
+        differ = collectives.differ_across(params, self.groups, device, self.name)
         if bool(differ.any()):
             index = int(differ.nonzero()[0, 0])
             raise ValueError(

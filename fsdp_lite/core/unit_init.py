@@ -203,16 +203,8 @@ def check_replicas_agree(unit: Unit) -> None:
         return
     if not unit.flat_params:
         return
-    device = collectives.comm_device(group, unit.device)
-    prints = []
-    for flat in unit.flat_params:
-        s = flat.shard.detach().to(device, torch.float64)
-        ramp = torch.linspace(1.0, 2.0, s.numel(), dtype=torch.float64, device=device)
-        prints += [s.sum(), (s * s).sum(), (s * ramp).sum()]
-    both = torch.stack(prints + [-x for x in prints])
-    collectives.all_reduce(both, group, op="max", kind="replica_check")
-    half = len(prints)
-    if not torch.equal(both[:half], -both[half:]):
+    shards = [flat.shard for flat in unit.flat_params]
+    if bool(collectives.differ_across(shards, [group], unit.device).any()):
         raise ValueError(
             f"fsdp_lite: hybrid sharding: at the first forward the replicas of unit "
             f"'{unit.name}' hold different values for the same slice of its parameters (each "

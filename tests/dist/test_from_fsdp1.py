@@ -206,18 +206,11 @@ def _summon_with_grads() -> None:
         gpt_loss(ref, token_batch(world, 0)).backward()
         gpt_loss(model, local_part(token_batch(world, 0), rank, world)).backward()
         with model.summon_full_params(with_grads=True, writeback=False):
-            got = dict(model.named_parameters())
+            got = {n.replace("module.", ""): p for n, p in model.named_parameters()}
             for name, q in ref.named_parameters():
-                p = got[name.replace("module.", "")] if name in got else None
-                p = p if p is not None else _by_clean_name(got, name)
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+                torch.testing.assert_close(got[name].grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
         for p in model.parameters():
             assert p.grad is not None and p.grad.numel() == p.numel()  # shard grads kept
-
-
-def _by_clean_name(params: dict, name: str) -> torch.Tensor:
-    clean = {n.replace("module.", ""): p for n, p in params.items()}
-    return clean[name]
 
 
 # -- orig params -------------------------------------------------------------------------
