@@ -74,8 +74,11 @@ class FSDPModule(nn.Module):
             own dtype -- fp32, or bf16 for a model loaded in bf16 -- and reduce gradients in
             fp32). ``model.to(dtype)`` after wrapping is refused: it would cast the masters.
         sync_module_states: broadcast parameters and buffers from rank 0 at wrap time.
-        device: compute device; default: cpu without CUDA, else the current CUDA device if
-            set (``torch.cuda.set_device``) or the only one, else ``cuda:LOCAL_RANK``, or raise.
+        device: compute device; default (or ``"cuda"`` without an index): cpu without CUDA,
+            else the current CUDA device if set (``torch.cuda.set_device``) or the only one,
+            else the default group's ``device_id``, else the launcher's local rank
+            (``LOCAL_RANK``, ``SLURM_LOCALID``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
+            ``MPI_LOCALRANKID``), or raise.
         prefetch: which all-gathers to issue ahead (see ``PrefetchPolicy``); ``None`` turns
             prefetching off. The root's policy applies to its whole tree.
         offload: where shards and shard grads live between uses: ``CPUOffload()`` (CPU

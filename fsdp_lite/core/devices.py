@@ -22,48 +22,90 @@ def resolve(device: torch.device | str | int) -> torch.device:
     return device
 
 
+# What launchers other than torchrun call the node-local rank: srun, Open MPI, MPICH /
+# Intel MPI. torchrun's LOCAL_RANK comes first.
+LOCAL_RANK_VARIABLES = (
+    "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+)  # fmt: skip
+
+
 def default_device(
     device: torch.device | str | int | None, world_size: int | None = None
 ) -> torch.device:
-    """The compute device of this rank.
+    """The compute device of this rank, made the current CUDA device (object collectives,
+    barriers and NCCL's communicator use the current device: left at cuda:0, every rank
+    of a node would put them on GPU 0).
 
-    The one given (``"cuda"`` without an index: the current CUDA device; an int n:
-    ``cuda:n``), made the current CUDA device. Else, when CUDA is available: the current
-    CUDA device when it is unambiguous -- the user set one (torch cannot say whether
-    ``torch.cuda.set_device`` was called, so a current device other than 0 counts as set),
-    exactly one device is visible, or ``world_size`` is 1 (default: the default process
-    group's, 1 without one) -- else ``cuda:LOCAL_RANK`` (torchrun; made the current
-    device), else
-    ``RuntimeError``: guessing ``cuda:0`` would put every rank of a node on one GPU. CPU
-    without CUDA.
+    The one given with its index (an int n: ``cuda:n``). Else -- ``None``, or ``"cuda"``
+    without an index, which names the device type, not a GPU -- without CUDA the CPU
+    (``None``), and with CUDA this rank's GPU, from the first evidence of:
+
+    - a current device other than 0 (torch cannot say whether ``torch.cuda.set_device``
+      was called, so cuda:0 proves nothing);
+    - exactly one visible device, or ``world_size`` 1 (default: the default process
+      group's, 1 without one): the current device;
+    - the device the default process group was bound to (``init_process_group(device_id=)``);
+    - the launcher's node-local rank (:data:`LOCAL_RANK_VARIABLES`: torchrun, srun,
+      mpirun);
+
+    else ``RuntimeError``: guessing cuda:0 would put every rank of a node on one GPU.
     """
     if device is not None:
-        given = resolve(device)
-        if given.type == "cuda" and given.index != torch.cuda.current_device():
-            # Object collectives, barriers and NCCL's communicator use the current device:
-            # left at cuda:0, every rank of a node would put them on GPU 0.
-            torch.cuda.set_device(given)
-        return given
-    if not torch.cuda.is_available():
+        given = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if given.type != "cuda":
+            return given
+        if given.index is not None:
+            return _make_current(given)
+    elif not torch.cuda.is_available():
         return torch.device("cpu")
+    return _make_current(_this_ranks_gpu(world_size))
+
+
+def _make_current(device: torch.device) -> torch.device:
+    if device.index != torch.cuda.current_device():
+        torch.cuda.set_device(device)
+    return device
+
+
+def _this_ranks_gpu(world_size: int | None) -> torch.device:
+    """This rank's GPU when the user named none (see :func:`default_device`)."""
     current, visible = torch.cuda.current_device(), torch.cuda.device_count()
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     if current != 0 or visible == 1 or world_size == 1:
         return torch.device("cuda", current)
-    if "LOCAL_RANK" in os.environ:
-        # Made current too: object collectives, barriers and comm_device use the current
-        # device, which would otherwise be GPU 0 on every rank of the node.
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
+    bound = _bound_device()
+    if bound is not None:
+        return bound
+    for name in LOCAL_RANK_VARIABLES:
+        if name in os.environ:
+            local = int(os.environ[name])
+            if not 0 <= local < visible:
+                raise RuntimeError(
+                    f"fsdp_lite: {name}={local} names a GPU this rank cannot see: "
+                    f"{visible} are visible. Launch one process per visible GPU, or call "
+                    "torch.cuda.set_device(...) before wrapping, or pass device= to "
+                    "FSDPModule."
+                )
+            return torch.device("cuda", local)
     raise RuntimeError(
         f"fsdp_lite cannot tell which GPU this rank should use: {visible} GPUs are visible, "
         f"the world size is {world_size}, the current CUDA device is 0 (torch's default, "
-        "maybe never set) and LOCAL_RANK is not set (launched without torchrun, e.g. by "
-        "srun?). Call torch.cuda.set_device(local_rank) before wrapping (under srun "
-        "local_rank = int(os.environ['SLURM_LOCALID'])), or pass device= to FSDPModule."
+        "maybe never set), the default process group is bound to no device, and no "
+        f"launcher's local rank is set ({', '.join(LOCAL_RANK_VARIABLES)}). Call "
+        "torch.cuda.set_device(local_rank) before wrapping, or pass device= to FSDPModule "
+        "(or init_process_group(device_id=...))."
     )
+
+
+def _bound_device() -> torch.device | None:
+    """The CUDA device the default process group was bound to, if any."""
+    if not dist.is_initialized():
+        return None
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    if bound is None or bound.type != "cuda" or bound.index is None:
+        return None
+    return bound
 
 
 def synchronize(device: torch.device) -> None:
