@@ -21,7 +21,7 @@ from fsdp_lite.addons import state_dict_type as _sdt
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
 from fsdp_lite.core import collectives, deferred_init, devices, ignored, ownership, root
 from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy, resolve_optimizer_params
-from fsdp_lite.core.grads import nonfinite_units, total_norm
+from fsdp_lite.core.grads import nonfinite_units, scale_, total_norm
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.state import TrainingState, check_state
 from fsdp_lite.core.tree import SHARDED_FLAG, UNIT_ATTR, named_as_unwrapped, units_of
@@ -176,7 +176,9 @@ class FSDPModule(nn.Module):
         self.device = devices.default_device(o.device)
         self.mixed_precision = o.mixed_precision
         self.prefetch = o.prefetch
-        rank = collectives.rank(self.process_group)
+        # The global rank: shard-group ranks repeat across replicas (hybrid sharding), and
+        # an SSD directory named by one would be shared by two nodes' ranks.
+        rank = collectives.global_rank()
         unit = Unit(
             module,
             process_group=self.process_group,
@@ -290,9 +292,11 @@ class FSDPModule(nn.Module):
         their own, over the same ranks (one per rank set), so that on NCCL a backward
         prefetch's all-gather need not wait for the previous reduce-scatter: one
         communicator runs one collective at a time. It costs a second communicator's
-        buffers. Call on every rank of the shard group, between steps; ``False`` goes back
-        to the shared group. (As FSDP2's method of the same name; whether it pays on a
-        GPU is unmeasured.)"""
+        buffers. Call between steps on every rank of the shard group -- of the whole
+        world where NCCL was initialized eagerly (``init_process_group(device_id=...)``):
+        the new group is then a split of the world's communicator, a collective over every
+        rank of it. ``False`` goes back to the shared group. (As FSDP2's method of the same
+        name; whether it pays on a GPU is unmeasured.)"""
         units = self._tree_units()
         for unit in units:
             check_state(unit.name, unit.state, TrainingState.IDLE, doing="change its groups")
@@ -337,8 +341,7 @@ class FSDPModule(nn.Module):
             )
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
-        for g in grads + whole:
-            g.mul_(coef.to(g.device, g.dtype))
+        scale_(grads + whole, coef)
         return total
 
     def _ignored_grads(self) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -201,7 +202,9 @@ def separate_group(group: ProcessGroup) -> ProcessGroup:
     """A second process group over ``group``'s ranks (one per rank set, cached), for the
     reduce-scatters: one NCCL communicator runs one collective at a time, whatever the
     streams, so a backward prefetch's all-gather would queue behind the previous unit's
-    reduce-scatter. Collective over ``group``'s members only (local synchronization)."""
+    reduce-scatter. Collective over ``group``'s members only (local synchronization),
+    except where NCCL was initialized eagerly (a bound device): the new communicator is
+    then split from the world's, which every rank of the world must join."""
     cache = group_cache(group)
     if "separate" not in cache:
         ranks = dist.get_process_group_ranks(group)
@@ -448,11 +451,17 @@ def all_reduce(
     async_op: bool = False,
 ) -> Handle | None:
     """In-place all-reduce with ``op`` in {"sum", "max"}; counted under ``kind``. With
-    ``async_op``, the Handle to wait on (None where nothing was issued: world size 1)."""
+    ``async_op``, the Handle to wait on (None where nothing was issued: world size 1).
+
+    ``"max"`` counts a NaN as +inf on every backend: NCCL's float max is ``fmax``, which
+    drops a NaN unless every rank has one, so a NaN on one rank (a gradient norm, a
+    replica's fingerprint) would come back finite."""
     device = _begin("all_reduce", unit, tensor, group, tensor.device, kind)
     if device is None:
         return None
     staged = _staged(tensor, device)
+    if op == "max" and staged.is_floating_point():
+        staged.nan_to_num_(nan=math.inf, posinf=math.inf, neginf=-math.inf)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     with _peer_errors(kind, unit):
         work = dist.all_reduce(staged, op=reduce_op, group=group, async_op=True)

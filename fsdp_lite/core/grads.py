@@ -22,7 +22,8 @@ def total_norm(
 ) -> torch.Tensor:
     """The ``p``-norm of ``grads`` over every rank's shards (an all-reduce) and of ``whole``
     (gradients equal on every rank, counted once: ignored parameters'): one multi-tensor
-    norm over this rank's shard grads (fp32), combined in fp32."""
+    norm per device the grads are on (fp32), combined in fp32 on ``device``. A NaN on any
+    rank makes the result non-finite on every rank (``all_reduce``'s max keeps it)."""
     total = _local(grads, p, device)
     collectives.all_reduce(total, group, op="max" if p == float("inf") else "sum")
     if whole:
@@ -32,13 +33,33 @@ def total_norm(
 
 
 def _local(grads: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
-    """max |g| (p = inf) or sum |g|^p over ``grads``, an fp32 scalar on ``device``."""
-    if grads:
-        norms = torch._foreach_norm(grads, p)
-        local = torch.stack([n.to(device, torch.float32) for n in norms])
-    else:
-        local = torch.zeros(1, dtype=torch.float32, device=device)
-    return local.max() if p == float("inf") else local.pow(p).sum()
+    """max |g| (p = inf) or sum |g|^p over ``grads``, an fp32 scalar on ``device``: each
+    device's part moved there once (CPU-offloaded grads: one copy, not one per grad)."""
+    parts = [torch.zeros((), dtype=torch.float32, device=device)]
+    for same in _by_device(grads).values():
+        norms = torch.stack([n.float() for n in torch._foreach_norm(same, p)])
+        parts.append((norms.max() if p == float("inf") else norms.pow(p).sum()).to(device))
+    local = torch.stack(parts)
+    return local.max() if p == float("inf") else local.sum()
+
+
+def scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every gradient by the scalar ``coef``, copied once to each device and
+    dtype the gradients have (CPU-offloaded grads: one copy of it, not one per grad)."""
+    for on, same in _by_device(grads).items():
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in same:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        here = coef.to(on)
+        for dtype, gs in by_dtype.items():
+            torch._foreach_mul_(gs, here.to(dtype))
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    grouped: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        grouped.setdefault(t.device, []).append(t)
+    return grouped
 
 
 def nonfinite_units(

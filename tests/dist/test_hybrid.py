@@ -22,11 +22,14 @@ from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
 from fsdp_lite.core.tree import units_of
 
 
-def _equivalence_runs(world: int, groups) -> list:
+def _equivalence_runs(world: int, groups, tmp: str) -> list:
     mp = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16)
     hybrid = functools.partial(wrap_blocks, process_group=groups)
     synced = functools.partial(hybrid, sync_module_states=True)
+    # One directory for all ranks, as on a shared filesystem: each rank's files apart.
+    ssd = functools.partial(hybrid, offload=fsdp_lite.SSDOffload(tmp))
     return [
+        gpt_run("hybrid SSD offload, one directory", world, wrap=ssd),
         gpt_run("hybrid", world, wrap=hybrid),
         gpt_run("hybrid no_sync", world, wrap=hybrid, accumulate=2),
         gpt_run("hybrid clip", world, wrap=hybrid, clip=0.05),
@@ -91,13 +94,13 @@ def _mesh_refused() -> None:
     assert isinstance(mlp[0].weight, DTensor) and not units_of(mlp)  # nothing changed
 
 
-def _hybrid(rank: int, world: int) -> dict:
+def _hybrid(rank: int, world: int, tmp: str) -> dict:
     with pytest.raises(ValueError, match="must divide the world size 4"):
         fsdp_lite.hybrid_groups(3)
     groups = fsdp_lite.hybrid_groups(2)
     cases = [
         (run.name, functools.partial(compare_training, run))
-        for run in _equivalence_runs(world, groups)
+        for run in _equivalence_runs(world, groups, tmp)
     ]
     observed = functools.partial(_observed_collectives, rank, world, groups)
     cases.append(("gathers within the shard group, all-reduces across replicas", observed))
@@ -106,8 +109,8 @@ def _hybrid(rank: int, world: int) -> dict:
     return run_subtests(cases)
 
 
-def test_hybrid_sharding_two_groups_of_two() -> None:
-    assert_subtests_passed(run_distributed(_hybrid, 4, timeout=600))
+def test_hybrid_sharding_two_groups_of_two(tmp_path) -> None:
+    assert_subtests_passed(run_distributed(_hybrid, 4, str(tmp_path), timeout=600))
 
 
 GLOBAL_BATCH = 8
