@@ -106,7 +106,49 @@ def w1_checks(device: torch.device, tmp: str) -> list[tuple[str, Callable[[], st
         ("save_checkpoint / load_checkpoint of device shards", lambda: _checkpoint(device, tmp)),
         ("HF Llama generate(), wrapped = unwrapped", lambda: _generate(device)),
         ("whole params + Muon vs reference", _compared(_whole_muon("muon", device))),
+        ("bf16 grads widened in pieces on the reduce stream", lambda: _widened(device)),
     ]
+
+
+def _widened(device: torch.device) -> str:
+    """bf16 compute, fp32 reduce, every gradient widened in small pieces: equal to the
+    reference, and on CUDA each piece issued from the root's reduce stream, not the
+    compute stream (whose waits for a piece would hold up the next unit's backward)."""
+    from fsdp_lite.core import collectives, reduce
+
+    issued_on: list[object] = []
+    inside = [False]
+    real_widened, real_rs = reduce._reduce_widened, collectives.reduce_scatter_flat
+
+    def widened(*args, **kwargs):
+        inside[0] = True
+        try:
+            return real_widened(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def reduce_scatter_flat(*args, **kwargs):
+        if inside[0]:
+            cuda = device.type == "cuda"
+            issued_on.append(torch.cuda.current_stream(device) if cuda else None)
+        return real_rs(*args, **kwargs)
+
+    saved_bytes = reduce.WIDEN_PIECE_BYTES
+    reduce.WIDEN_PIECE_BYTES = 4096
+    reduce._reduce_widened, collectives.reduce_scatter_flat = widened, reduce_scatter_flat
+    try:
+        detail = _compared(_run("widened", device, "bf16"))()
+    finally:
+        reduce.WIDEN_PIECE_BYTES = saved_bytes
+        reduce._reduce_widened, collectives.reduce_scatter_flat = real_widened, real_rs
+    if not issued_on:
+        raise AssertionError("no gradient was widened in pieces")
+    if device.type == "cuda":
+        compute = torch.cuda.default_stream(device)
+        on_compute = sum(s == compute for s in issued_on)
+        if on_compute:
+            raise AssertionError(f"{on_compute} of {len(issued_on)} pieces on the compute stream")
+    return f"{len(issued_on)} pieces off the compute stream; {detail}"
 
 
 def _checkpoint(device: torch.device, tmp: str) -> str:

@@ -100,14 +100,19 @@ class Handle:
     def waited(self) -> bool:
         return self.work is None
 
-    def wait(self) -> None:
+    def wait(self, exposed: bool = True) -> None:
+        """``exposed=False``: a CUDA wait on a side stream, which holds up no compute (not
+        counted as exposed communication time)."""
         work = self.work
         if work is None:
             return  # waited for at most once, even if that wait failed
         # Referenced until the wait returns: if it raises while the collective is still in
         # flight, the buffers the work writes must not be freed under it.
         self.failed, self.work = work, None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not exposed:
+            with _peer_errors("waiting for a collective", self.unit, self.group):
+                work.wait()
+        elif self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)  # the one work.wait() holds
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)

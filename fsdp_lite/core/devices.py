@@ -4,7 +4,9 @@ Code outside the communication layer asks here instead of testing ``device.type`
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -106,6 +108,42 @@ def _bound_device() -> torch.device | None:
     if bound is None or bound.type != "cuda" or bound.index is None:
         return None
     return bound
+
+
+def new_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A stream of its own on a CUDA device; None elsewhere (one queue, nothing to
+    overlap)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream | None, *inputs: torch.Tensor) -> Iterator[None]:
+    """Queue the block's work on ``stream`` (a :func:`new_stream`), after what the current
+    stream has queued so far; ``inputs``, made on the current stream, stay allocated until
+    ``stream`` is past them. ``None``: the block runs as is."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    for t in inputs:
+        t.record_stream(stream)
+    with torch.cuda.stream(stream):
+        yield
+
+
+def mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event at the end of the work queued so far on ``stream`` (None: None)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def wait_mark(event: torch.cuda.Event | None) -> None:
+    """Make the current stream wait for a :func:`mark` (without blocking the host)."""
+    if event is not None:
+        torch.cuda.current_stream(event.device).wait_event(event)
 
 
 def synchronize(device: torch.device) -> None:

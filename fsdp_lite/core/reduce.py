@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_lite.core import collectives
+from fsdp_lite.core import collectives, devices
 from fsdp_lite.core.flat_param import FlatParam
 
 # A gradient reduced in a wider dtype than its own (bf16 compute, fp32 reduction) needs a
@@ -44,9 +44,12 @@ def predivide_factor(ranks: int, reduce_dtype: torch.dtype) -> int:
     return factor
 
 
-def reduce_scatter(flat: FlatParam, reduce_dtype: torch.dtype) -> PendingGrad | None:
+def reduce_scatter(
+    flat: FlatParam, reduce_dtype: torch.dtype, stream: torch.cuda.Stream | None = None
+) -> PendingGrad | None:
     """Start the averaging reduce-scatter of the gradient ``flat`` holds (its full gradient
-    plus any no_sync accumulation)."""
+    plus any no_sync accumulation). A gradient widened in pieces is widened and reduced on
+    ``stream`` (the root's reduce stream; None: the current one)."""
     grad = flat.take_grad()
     if grad is None:
         return None
@@ -55,7 +58,8 @@ def reduce_scatter(flat: FlatParam, reduce_dtype: torch.dtype) -> PendingGrad | 
         pieces = reduce_pieces(grad.numel(), grad.dtype, reduce_dtype, even=flat.sizes is None)
         if pieces > 1:  # by columns of the (W, shard) layout
             out = torch.empty(flat.shard_numel, dtype=reduce_dtype, device=grad.device)
-            return PendingGrad(flat, _reduce_widened(flat, grad, out, pieces), out, ranks)
+            works = _reduce_widened(flat, grad, out, pieces, stream)
+            return PendingGrad(flat, works, out, ranks, queued=devices.mark(stream))
         grad = grad.to(reduce_dtype)  # the compute-dtype gradient is dropped here
         # In fp32, divide only the 1/W-sized result (one full-size pass saved); in low
         # precision, part before the sum and part after (see predivide_factor).
@@ -70,25 +74,35 @@ def reduce_scatter(flat: FlatParam, reduce_dtype: torch.dtype) -> PendingGrad | 
 
 
 def _reduce_widened(
-    flat: FlatParam, grad: torch.Tensor, out: torch.Tensor, pieces: int
+    flat: FlatParam,
+    grad: torch.Tensor,
+    out: torch.Tensor,
+    pieces: int,
+    stream: torch.cuda.Stream | None,
 ) -> list[collectives.Handle]:
     """Reduce-scatter a low-precision ``grad`` in a wider dtype, a slice of columns of
     its (W, shard) layout at a time, so the wide copy never exists whole (see
-    WIDEN_PIECE_BYTES); at most two pieces in flight."""
+    WIDEN_PIECE_BYTES); at most two pieces in flight.
+
+    On CUDA the widening and the waits between pieces run on ``stream``, after the
+    gradient: waited for on the compute stream, a piece's reduce-scatter -- queued on the
+    communicator behind the next unit's prefetched all-gather -- would hold up the next
+    unit's backward."""
     columns = grad.view(flat.world_size, flat.shard_numel)
     step = -(-flat.shard_numel // pieces)
     works: list[collectives.Handle] = []
-    for lo in range(0, flat.shard_numel, step):
-        hi = min(lo + step, flat.shard_numel)
-        if len(works) >= 2:
-            works[-2].wait()
-        wide = torch.empty((flat.world_size, hi - lo), dtype=out.dtype, device=grad.device)
-        wide.copy_(columns[:, lo:hi])
-        works.append(
-            collectives.reduce_scatter_flat(
-                out[lo:hi], wide.view(-1), flat.reduce_group, unit=flat.unit_name
+    with devices.on_stream(stream, grad, out):
+        for lo in range(0, flat.shard_numel, step):
+            hi = min(lo + step, flat.shard_numel)
+            if len(works) >= 2:
+                works[-2].wait(exposed=stream is None)
+            wide = torch.empty((flat.world_size, hi - lo), dtype=out.dtype, device=grad.device)
+            wide.copy_(columns[:, lo:hi])
+            works.append(
+                collectives.reduce_scatter_flat(
+                    out[lo:hi], wide.view(-1), flat.reduce_group, unit=flat.unit_name
+                )
             )
-        )
     return works
 
 
@@ -109,6 +123,9 @@ class PendingGrad:
     works: list[collectives.Handle]
     out: torch.Tensor  # (shard_numel,) in reduce dtype
     divide_by: float  # what the result is still to be divided by (1: the input was)
+    # The end of what was queued on the reduce stream (the widening, and at W=1 the copy
+    # into ``out``): the current stream waits for it with the collectives.
+    queued: torch.cuda.Event | None = None
     replicated: collectives.Handle | None = None  # the replicate all-reduce in flight
     replicating: bool = False
 
@@ -120,6 +137,8 @@ class PendingGrad:
     def wait(self) -> None:
         for work in self.works:
             work.wait()
+        devices.wait_mark(self.queued)
+        self.queued = None
 
     def replicate(self) -> None:
         """Wait for the reduce-scatter, then (hybrid sharding) start the replicate

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_lite.core import accounting, collectives, divergence, ignored, schedule
+from fsdp_lite.core import accounting, collectives, devices, divergence, ignored, schedule
 from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.nested import cast_floats, in_backward, tensors_in
 from fsdp_lite.core.optimizer_check import loose_parameters, shapes_of
@@ -129,6 +129,9 @@ class Root:
         self.schedule = self._build_schedule()
         self.prefetched: set[Unit] = set()  # gathered ahead, not yet run
         self.pending: list[PendingGrad] = []  # reduce-scatters in flight
+        # Where widened gradients are reduced on CUDA (reduce._reduce_widened), as FSDP2's
+        # reduce-scatter stream; None elsewhere.
+        self.reduce_stream = devices.new_stream(unit.device)
         self.callback_queued = False  # the end-of-backward callback of this backward
         self.inputs_checked = False  # see _check_inputs
         self.averaging_queued = False  # _average_alone queued (a backward through no unit)

@@ -225,7 +225,7 @@ class Unit:
             return None
         pending = None
         if self.sync_grads:
-            pending = reduce.reduce_scatter(flat, self.reduce_dtype(flat))
+            pending = reduce.reduce_scatter(flat, self.reduce_dtype(flat), self.root.reduce_stream)
         else:
             flat.accumulate_unsharded()
         self.grads_pending.discard(id(flat))
