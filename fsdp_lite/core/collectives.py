@@ -31,11 +31,14 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 class DivergenceError(RuntimeError):
-    """Ranks were about to issue (or issued) different collectives; raised on every rank."""
+    """Ranks were about to issue (or issued) different collectives. On gloo raised on every
+    rank; on NCCL, whose waits never raise, on the rank that strayed (its peers are
+    aborted by NCCL's watchdog at the process group's timeout)."""
 
 
 class PeerError(RuntimeError):
-    """A collective failed because a peer rank died or stopped responding."""
+    """A collective failed because a peer rank died or stopped responding (gloo; on NCCL
+    the watchdog aborts the process instead)."""
 
 
 # What a backend raises when a peer is gone or too slow; anything else raised inside a
