@@ -106,11 +106,11 @@ def patched_reduce(reduce: Callable, on: Callable[[FlatParam], bool]) -> Iterato
     hits: list = []
     original = reduce_module.reduce_scatter
 
-    def mutant(flat, reduce_dtype):
+    def mutant(flat, reduce_dtype, stream=None):
         if not on(flat):
-            return original(flat, reduce_dtype)
+            return original(flat, reduce_dtype, stream)
         hits.append(1)
-        return reduce(original, flat, reduce_dtype)
+        return reduce(functools.partial(original, stream=stream), flat, reduce_dtype)
 
     with mock.patch.object(reduce_module, "reduce_scatter", mutant):
         yield hits
