@@ -102,6 +102,11 @@ class Plan:
     auto_wrap_policy: Policy | None = None
     mixed_precision: MixedPrecision | None = None
     optimizer_params: str = "flat"
+    # How to run the micro-batches before a step's last (None: one micro-batch a step):
+    # "keep" -- set_requires_gradient_sync(False) and set_reshard_after_backward(False), each
+    # unit gathered once a step; "no_sync" -- set_requires_gradient_sync(False) (or
+    # no_sync()) alone; "sync" -- every micro-batch reduce-scattered. See grad_accumulation.
+    grad_accumulation: str | None = None
 
     def fsdp_kwargs(self) -> dict[str, Any]:
         return {
@@ -152,6 +157,7 @@ def estimate_memory(
     backend: str | None = None,
     optimizer_params: str | None = None,
     whole_params: bool = False,
+    grad_accumulation: str | None = None,
 ) -> MemoryEstimate:
     """Predict one rank's peak tensor memory over a steady-state training step.
 
@@ -176,11 +182,20 @@ def estimate_memory(
             keeps nothing. Default: nccl on CUDA, gloo on the CPU.
         optimizer_params, whole_params: as ``FSDPModule`` takes them; with ``"whole"`` the
             estimate is for the rank that owns the most bytes (``owned_imbalance``).
+        grad_accumulation: ``None``: one micro-batch a step (``example_inputs``). Else a
+            step of several such micro-batches, the peak of any, those before the last
+            run as: ``"sync"`` (each reduce-scattered: the shard grads held across),
+            ``"no_sync"`` (``set_requires_gradient_sync(False)`` or ``no_sync()``: an
+            unsharded fp32 gradient sum per trainable flat param, ``grad_accumulators``),
+            ``"keep"`` (that and ``set_reshard_after_backward(False)``: every unit's full
+            parameters held from the step's first forward to its last backward).
     """
     view = resolve_optimizer_params(optimizer_params, whole_params=whole_params)
     planner = _Planner(model, example_inputs, world_size, auto_wrap_policy, mixed_precision,
                        optimizer, loss_fn, device, backend, view)  # fmt: skip
-    return planner.estimate(activation_checkpointing, reshard_after_forward, offload, prefetch)
+    return planner.estimate(
+        activation_checkpointing, reshard_after_forward, offload, prefetch, grad_accumulation
+    )
 
 
 def plan(
@@ -195,10 +210,18 @@ def plan(
 
     Tried from fastest to slowest: no CPU offload before offload, no activation
     checkpointing before checkpointing, then prefetching two units, one, none (``None``,
-    which also stops keeping the last block's parameters from forward to backward), then
-    ``reshard_after_forward`` False (no all-gather in backward), None (the default), True.
-    Raises ``ValueError`` naming the smallest estimate and what to change if nothing fits.
+    which also stops keeping the last block's parameters from forward to backward), then,
+    with ``grad_accumulation="auto"`` (a step of several micro-batches), keeping every
+    unit gathered across them before gathering each time (``"keep"``, ``"no_sync"``,
+    ``"sync"``: see ``estimate_memory``; the plan's ``grad_accumulation`` says which),
+    then ``reshard_after_forward`` False (no all-gather in backward), None (the default),
+    True. Raises ``ValueError`` naming the smallest estimate and what to change if nothing
+    fits.
     """
+    if kwargs.get("grad_accumulation") == "auto":
+        del kwargs["grad_accumulation"]
+    else:
+        kwargs.setdefault("grad_accumulation", None)
     fixed = {k: kwargs.pop(k) for k in _SEARCHED if k in kwargs}
     planner = _Planner(
         model,
@@ -223,14 +246,16 @@ def plan(
             return Plan(
                 settings["reshard_after_forward"], settings["activation_checkpointing"],
                 settings["offload"], settings["prefetch"], est, budget_bytes, planner.policy,
-                planner.mp, planner.optimizer_params,
+                planner.mp, planner.optimizer_params, settings["grad_accumulation"],
             )  # fmt: skip
         if smallest is None or est.peak_bytes < smallest[0].peak_bytes:
             smallest = (est, settings)
     raise ValueError(_nothing_fits(budget_bytes, smallest, planner))
 
 
-_SEARCHED = ("offload", "activation_checkpointing", "prefetch", "reshard_after_forward")
+_SEARCHED = (
+    "offload", "activation_checkpointing", "prefetch", "grad_accumulation", "reshard_after_forward",
+)  # fmt: skip
 
 
 def _candidates(fixed: dict[str, Any], planner: _Planner) -> Iterator[dict[str, Any]]:
@@ -240,6 +265,7 @@ def _candidates(fixed: dict[str, Any], planner: _Planner) -> Iterator[dict[str, 
         "offload": [None, CPUOffload()] if planner.device.type != "cpu" else [None],
         "activation_checkpointing": [False, True] if planner.can_checkpoint() else [False],
         "prefetch": [PrefetchPolicy(), PrefetchPolicy(max_in_flight=1), None],
+        "grad_accumulation": ["keep", "no_sync", "sync"],
         "reshard_after_forward": [False, None, True],
     }
     for key, value in fixed.items():
@@ -247,13 +273,15 @@ def _candidates(fixed: dict[str, Any], planner: _Planner) -> Iterator[dict[str, 
     for offload in options["offload"]:
         for ac in options["activation_checkpointing"]:
             for prefetch in options["prefetch"]:
-                for raf in options["reshard_after_forward"]:
-                    yield {
-                        "activation_checkpointing": ac,
-                        "reshard_after_forward": raf,
-                        "offload": offload,
-                        "prefetch": prefetch,
-                    }
+                for accumulation in options["grad_accumulation"]:
+                    for raf in options["reshard_after_forward"]:
+                        yield {
+                            "activation_checkpointing": ac,
+                            "reshard_after_forward": raf,
+                            "offload": offload,
+                            "prefetch": prefetch,
+                            "grad_accumulation": accumulation,
+                        }
 
 
 def _nothing_fits(
@@ -275,6 +303,8 @@ def _nothing_fits(
             f"smaller units (a finer auto_wrap_policy: the largest unit gathers "
             f"{largest / _MiB:.1f} MiB)"
         )
+    if "grad_accumulators" in keys:
+        advice.append("syncing every micro-batch (grad_accumulation='sync': no fp32 sums)")
     if planner.mp is None:
         advice.append("bf16 mixed precision (MixedPrecision(param_dtype=torch.bfloat16))")
     if not advice:
@@ -329,6 +359,7 @@ class _Planner:
         reshard_after_forward: bool | None,
         offload: CPUOffload | None,
         prefetch: PrefetchPolicy | None,
+        grad_accumulation: str | None = None,
     ) -> MemoryEstimate:
         if isinstance(offload, SSDOffload):
             raise ValueError("estimate_memory models CPUOffload only, not SSDOffload")
@@ -345,6 +376,7 @@ class _Planner:
             optimizer_temporaries=self._optimizer_temporaries(to_host),
             step_tensors=not self.sgd_like and self.device.type == "cpu",
             comm_keeps=self.comm_keeps,
+            accumulation=grad_accumulation,
         )
         peak = replay(self.units, trace, cfg)
         breakdown = {k: peak.breakdown.get(k, 0) for k in TERMS}

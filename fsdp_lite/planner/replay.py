@@ -26,6 +26,18 @@ Each term is one named line of the breakdown, each following one place of the co
 - ``optimizer_temporaries``: what the optimizer step allocates: AdamW's ``denom`` (a square
   root and a quotient per shard, while the previous shard's ``denom`` is still held) or,
   with ``foreach`` (the default on CUDA), one square root per shard element at once.
+- ``grad_accumulators``: with gradient accumulation unsynced (``no_sync`` or
+  ``set_requires_gradient_sync(False)``), each trainable flat param's unsharded fp32
+  gradient sum (``FlatParam.unsharded_grad``), from the first micro-batch's backward to
+  the last one's reduce-scatter.
+
+Gradient accumulation (``ReplayConfig.accumulation``) replays the two kinds of
+micro-batch a step has, and takes the higher: one before the last (``"sync"``: the shard
+grads of earlier micro-batches held throughout; ``"no_sync"``: accumulators instead of
+reduce-scatters; ``"keep"``: as ``no_sync``, with every unit's full parameters gathered
+throughout, ``Unit.accumulating``), and the last, which syncs as a plain step does while
+the accumulators (and, with ``"keep"``, the kept units, until their post-backward) are
+still held.
 
 Shard grads are assumed freed before the next forward (``optimizer.zero_grad()``, which
 sets them to ``None`` by default). Frozen flat params are taken as freed once their unit's
@@ -57,7 +69,11 @@ TERMS = (
     "reduce_scatter_buffers",
     "gradients",
     "optimizer_temporaries",
+    "grad_accumulators",
 )
+# ReplayConfig.accumulation: None (one micro-batch a step), or how micro-batches before the
+# last are run (see the module doc).
+ACCUMULATION = (None, "sync", "no_sync", "keep")
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,7 @@ class ReplayConfig:
     # What the backend keeps for the reduce-scatter in flight: "input" (NCCL stashes it,
     # gloo all-reduces it in place), "copy" (a clone beside it), "none" (fake, one rank).
     comm_keeps: str
+    accumulation: str | None = None  # one of ACCUMULATION
 
 
 @dataclass
@@ -83,16 +100,25 @@ class Peak:
 
 
 class _Replay:
-    def __init__(self, units: list[UnitLayout], trace: StepTrace, cfg: ReplayConfig) -> None:
+    def __init__(
+        self, units: list[UnitLayout], trace: StepTrace, cfg: ReplayConfig, last: bool = True
+    ) -> None:
         self.units, self.cfg = units, cfg
         trainable = [f for u in units for f in u.flats if f.requires_grad]
         states = cfg.optimizer_states * sum(f.shard_bytes for f in trainable)
         states += 4 * len(trainable) if cfg.step_tensors else 0
+        unsynced = cfg.accumulation in ("no_sync", "keep")
+        accumulators = sum(f.padded_numel * f.master_dtype.itemsize for f in trainable)
         self.resident = {
             "shards": sum(f.shard_bytes for u in units for f in u.flats),
             "optimizer_state": int(states),
             "buffers": trace.buffer_bytes,
+            "grad_accumulators": accumulators if unsynced else 0,
         }
+        # This micro-batch reduce-scatters its gradients (a plain step's, the last one's);
+        # before the last, "keep" holds every unit gathered (Unit.accumulating).
+        self.sync = last or not unsynced
+        self.keep_all = cfg.accumulation == "keep" and not last
         self.temporaries = _optimizer_temporaries(trainable, cfg.optimizer_temporaries)
         self.gathered: set[tuple[int, int]] = set()  # (unit, flat)
         self.sends: dict[int, int] = {}  # unit -> its prefetch's send buffer, until waited
@@ -101,6 +127,8 @@ class _Replay:
         self.held = 0  # the backend's buffer for the reduce-scatter in flight
         self.grads = 0  # fp32 shard grads, after the end of backward
         self.host_at_end = 0  # offload: host bytes of grads while backward finishes
+        if cfg.accumulation == "sync" and not cfg.offload_to_host:  # earlier micro-batches'
+            self.grads = sum(f.shard_bytes for f in trainable)
         self.forward_order: list[int] = []  # units whose forward ran in this pass
         self.recorded_forward = [m.unit for m in _firsts(trace.marks, "pre_forward")]
         self.backward_order = [m.unit for m in _firsts(trace.marks, "pre_backward")]
@@ -113,6 +141,8 @@ class _Replay:
         self.started: set[int] = set()  # units whose backward began
         self.reduced: set[tuple[int, int]] = set()
         self.peak = Peak()
+        if cfg.accumulation == "keep":  # gathered at the step's first forward, kept since
+            self.gathered = {(u, i) for u, unit in enumerate(units) for i in range(len(unit.flats))}
 
     # -- the state as breakdown terms ---------------------------------------------------
 
@@ -156,6 +186,8 @@ class _Replay:
         return self._send_bytes(unit)
 
     def _reshard(self, unit: int, only_frozen: bool = False) -> None:
+        if self.keep_all:
+            return
         for i, f in enumerate(self.units[unit].flats):
             if not only_frozen or not f.requires_grad:
                 self.gathered.discard((unit, i))
@@ -165,15 +197,32 @@ class _Replay:
 
 
 def replay(units: list[UnitLayout], trace: StepTrace, cfg: ReplayConfig) -> Peak:
-    """The highest point of the step (forward, backward, end of backward, optimizer step)."""
-    r = _Replay(units, trace, cfg)
+    """The highest point of the step (forward, backward, end of backward, optimizer step);
+    with gradient accumulation, of a micro-batch before the last and of the last."""
+    if cfg.accumulation not in ACCUMULATION:
+        raise ValueError(f"accumulation must be one of {ACCUMULATION}, got {cfg.accumulation!r}")
+    last = _replay_one(units, trace, cfg, last=True)
+    if cfg.accumulation is None:
+        return last
+    before = _replay_one(units, trace, cfg, last=False)
+    if before.bytes > last.bytes:
+        before.phase = f"a micro-batch before the last: {before.phase}"
+        before.host_bytes = max(before.host_bytes, last.host_bytes)
+        return before
+    return last
+
+
+def _replay_one(units: list[UnitLayout], trace: StepTrace, cfg: ReplayConfig, last: bool) -> Peak:
+    r = _Replay(units, trace, cfg, last)
     for mark in trace.marks:
         name = units[mark.unit].name if mark.unit >= 0 else ""
         label = _apply(r, mark, name)
         r.consider(mark.peak_after, label)
     final = trace.marks[-1].at
-    on_device = 0 if cfg.offload_to_host else r.temporaries  # offloaded: it steps on the host
-    r.consider(final, "optimizer step", optimizer_temporaries=on_device)
+    if last:
+        on_device = 0 if cfg.offload_to_host else r.temporaries  # offloaded: on the host
+        r.resident["grad_accumulators"] = 0  # reduced by the last backward
+        r.consider(final, "optimizer step", optimizer_temporaries=on_device)
     if cfg.offload_to_host:
         host = r.resident["shards"] + r.resident["optimizer_state"]
         r.peak.host_bytes = host + max(r.host_at_end, r.grads + r.temporaries)
@@ -243,6 +292,10 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
     """``Root.post_backward``: the full buffer freed first, then the gradient (cast to the
     reduce dtype, in pieces where it widens: ``reduce.reduce_scatter``)."""
     flat = r._flat(mark.unit, mark.flat)
+    if not r.sync:  # FlatParam.accumulate_unsharded: added in place into the accumulator
+        if not r.keep_all:
+            r.gathered.discard((mark.unit, mark.flat))
+        return
     reduce_dtype = r._reduce_dtype(flat)
     r.gathered.discard((mark.unit, mark.flat))
     r.held = 0  # wait_previous_reduce_scatter
@@ -267,6 +320,8 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
             gradients=out,
         )  # fmt: skip
     r.outs += out
+    if r.resident["grad_accumulators"]:  # the last micro-batch reduced this one's sum
+        r.resident["grad_accumulators"] -= flat.padded_numel * flat.master_dtype.itemsize
     if r.cfg.offload_to_host:
         r.host_staged += out
     r.held = kept
@@ -292,8 +347,9 @@ def _end_of_backward(r: _Replay, mark: Mark) -> None:
     elif copies:
         r.consider(mark.at, "end of backward (shard grads)", gradients=copies)
     r.outs = 0
-    r.grads = grads
-    r.gathered.clear()
+    r.grads = max(r.grads, grads)
+    if not r.keep_all:
+        r.gathered.clear()
     r.sends.clear()
 
 

@@ -63,6 +63,9 @@ class Case:
     # optimizer_params="whole": estimated for the rank owning the most, which is rank 0 (the
     # largest parameter's) in these cases: the rank a fake-PG worker measures.
     whole: bool = False
+    # A step of MICRO micro-batches, those before the last run as estimate_memory's
+    # grad_accumulation says ("sync", "no_sync", "keep"); None: one micro-batch a step.
+    accumulate: str | None = None
 
     @property
     def name(self) -> str:
@@ -73,6 +76,8 @@ class Case:
         if self.prefetch != 2:
             parts.append(f"prefetch={self.prefetch}")
         parts += ["embedding and head units"] * self.ends + ["whole params"] * self.whole
+        if self.accumulate:
+            parts.append(f"{MICRO} micro-batches {self.accumulate}")
         return " ".join(parts)
 
 
@@ -96,7 +101,12 @@ ALL_CASES = [
     Case(64, "llama"),
     Case(64, "gpt", "bf16", offload=True),
     Case(64, "llama", "bf16", reshard_after_forward=True, prefetch=1),
+    Case(2, "gpt", "bf16", accumulate="keep"),
+    Case(8, "gpt", accumulate="no_sync"),
+    Case(8, "gpt", "bf16", accumulate="keep", reshard_after_forward=True),
+    Case(8, "gpt", accumulate="sync"),
 ]
+MICRO = 3
 HAS_HF = importlib.util.find_spec("transformers") is not None
 CASES = [c for c in ALL_CASES if HAS_HF or c.model != "llama"]
 
@@ -149,13 +159,18 @@ def _train(model: torch.nn.Module, case: Case, rec: MemoryRecorder) -> None:
     # here, as any later collection would, so they do not blur the step's peak.
     gc.collect()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    micro = MICRO if case.accumulate else 1
     for _ in range(3):
         with rec.step():
-            loss = default_loss(model(_batch(case)))
-            loss.backward()
+            for i in range(micro):
+                last = i == micro - 1
+                model.set_requires_gradient_sync(last or case.accumulate == "sync")
+                model.set_reshard_after_backward(last or case.accumulate != "keep")
+                loss = default_loss(model(_batch(case)))
+                loss.backward()
+                del loss
             opt.step()
             opt.zero_grad()
-            del loss
 
 
 def measure(case: Case) -> int:
@@ -182,6 +197,7 @@ def estimate(case: Case) -> fsdp_lite.planner.estimate.MemoryEstimate:
         auto_wrap_policy=_policy(case, model, block),
         activation_checkpointing=case.ac,
         backend="fake",
+        grad_accumulation=case.accumulate,
         **_settings(case),
     )
 
@@ -388,6 +404,20 @@ def test_plan_picks_the_fastest_that_fits_and_says_why_nothing_fits() -> None:
     assert fixed.estimate.peak_bytes <= default.peak_bytes
     with pytest.raises(ValueError, match=r"smallest estimate is .* MiB .* To fit, try"):
         fsdp_lite.plan(model, batch, 8, 2**20, **kwargs)
+    # Accumulating: keeping every unit gathered first, then unsynced sums, then syncing.
+    modes = {
+        mode: fsdp_lite.estimate_memory(model, batch, 8, grad_accumulation=mode, **kwargs)
+        for mode in ("keep", "no_sync", "sync")
+    }
+    keep, no_sync, sync = (modes[m].peak_bytes for m in ("keep", "no_sync", "sync"))
+    assert keep > no_sync > sync > 0, modes
+    assert modes["keep"].breakdown["grad_accumulators"] > 0
+    assert modes["sync"].breakdown["grad_accumulators"] == 0
+    auto = dict(kwargs, grad_accumulation="auto", reshard_after_forward=None, prefetch=None)
+    for budget, chosen in ((keep, "keep"), (no_sync, "no_sync"), (sync, "sync")):
+        found = fsdp_lite.plan(model, batch, 8, budget, **auto)
+        assert found.grad_accumulation == chosen, (budget, found)
+    assert fsdp_lite.plan(model, batch, 8, 2**40, **kwargs).grad_accumulation is None
 
 
 if __name__ == "__main__":
