@@ -70,6 +70,7 @@ class Trainer:
             enabled=cfg.fsdp.mixed_precision == "fp16",
         )
         t = cfg.train
+        self.accumulate = "no_sync"  # until train_memory.choose says
         self.batches = Batches(
             data, cfg.model.block_size, t.batch_size, d.rank, d.world_size, t.seed
         )
@@ -84,8 +85,9 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
 
     def step(self, lr: float, crash: bool) -> StepMetrics:
-        """Forward and backward over ``grad_accum`` micro-batches (all but the last under
-        ``no_sync``), clip, optimizer step. ``crash``: die after backward (debug)."""
+        """Forward and backward over ``grad_accum`` micro-batches (those before the last as
+        ``self.accumulate`` says: ``train_memory.choose``), clip, optimizer step.
+        ``crash``: die after backward (debug)."""
         t, d, model, start = self.cfg.train, self.d, self.model, time.perf_counter()
         for opt, peaks in zip(self.opts, self.peaks, strict=True):  # train.lr's schedule
             for group, peak in zip(opt.param_groups, peaks, strict=True):
@@ -97,9 +99,10 @@ class Trainer:
         for micro in range(t.grad_accum):
             x, y = (v.to(d.device) for v in self.batches.next())  # each (B, T)
             last = micro == t.grad_accum - 1
-            with contextlib.nullcontext() if last else model.no_sync():
-                loss = lm_loss(model, x, y, self.hf)
-                self.scaler.scale(loss * (1.0 / t.grad_accum)).backward()
+            model.set_requires_gradient_sync(last or self.accumulate == "sync")
+            model.set_reshard_after_backward(last or self.accumulate != "keep")
+            loss = lm_loss(model, x, y, self.hf)
+            self.scaler.scale(loss * (1.0 / t.grad_accum)).backward()
             loss_sum += loss.detach().double()
         if crash:
             os.kill(os.getpid(), signal.SIGKILL)  # like the OOM killer: no cleanup at all
@@ -153,7 +156,7 @@ def train(
     run_log.note(note + (f"; {start_note}" if start_note else ""))
     if done >= t.steps:
         run_log.note(f"nothing to do: the checkpoint is at step {done} of train.steps={t.steps}")
-    est = _planner_estimate(cfg, data.vocab_size, d, run_log)
+    est = _planner_estimate(cfg, data.vocab_size, d, run_log, trainer)
     results: list[StepMetrics] = []
     start = time.perf_counter()
     for step in range(done + 1, t.steps + 1):
@@ -171,7 +174,8 @@ def train(
             path = train_ckpt.save(cfg, step, trainer.model, trainer.opts, trainer.local_state(), d)
             run_log.note(f"step {step:5d}/{t.steps} | checkpoint {path}")
     run_log.close()
-    summarize(cfg, trainer.model, trainer.n_params, results, d, time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    summarize(cfg, trainer.model, trainer.n_params, results, d, wall, trainer.accumulate)
     if trainer.hf and cfg.checkpoint.export_hf:
         import train_hf
 
@@ -180,14 +184,21 @@ def train(
 
 
 def _planner_estimate(
-    cfg: Config, vocab_size: int, d: Dist, run_log: RunLog
+    cfg: Config, vocab_size: int, d: Dist, run_log: RunLog, trainer: Trainer
 ) -> fsdp_lite.planner.estimate.MemoryEstimate | None:
-    """``fsdp_lite.estimate_memory`` for this run, or None (said in the log) if it cannot."""
+    """``fsdp_lite.estimate_memory`` for this run, or None (said in the log) if it cannot;
+    sets how the trainer runs micro-steps (``train_memory.choose``; ``no_sync`` for
+    ``auto`` without an estimate)."""
+    mode = cfg.train.accumulate
+    trainer.accumulate = "no_sync" if mode == "auto" else mode
     try:
-        return train_memory.estimate(cfg, vocab_size, d)
+        est, trainer.accumulate = train_memory.choose(cfg, vocab_size, d)
     except Exception as e:  # the estimate is advice: a run it cannot model still trains
         run_log.note(f"memory/rank: no planner estimate ({type(e).__name__}: {e})")
-        return None
+        est = None
+    if cfg.train.grad_accum > 1:
+        run_log.note(f"micro-steps before the last: {trainer.accumulate} (train.accumulate={mode})")
+    return est
 
 
 def _load_data(cfg: Config, world: int) -> tuple[Corpus, Any | None]:

@@ -24,6 +24,7 @@ import yaml
 DTYPES = ("fp32", "bf16", "fp16")
 WRAPS = ("block", "size", "none")
 OFFLOADS = ("none", "cpu", "ssd")
+ACCUMULATE = ("auto", "keep", "no_sync", "sync")
 OPTIMIZERS = ("adamw", "muon")
 
 
@@ -58,7 +59,14 @@ class TrainConfig:
     global_batch_size: int | None = opt(
         None, "sequences per optimizer step over all ranks; sets `grad_accum` (null: unset)"
     )
-    grad_accum: int = opt(1, "micro-steps per optimizer step (all but the last under `no_sync`)")
+    grad_accum: int = opt(1, "micro-steps per optimizer step")
+    accumulate: str = opt(
+        "auto",
+        "micro-steps before the last: `keep` (full parameters kept, each unit gathered once "
+        "a step), `no_sync` (gathered each micro-step, reduced once), `sync` (reduced each "
+        "micro-step); `auto`: `keep` where the planner's estimate fits the device, else "
+        "`no_sync`",
+    )
     lr: float = opt(1e-3, "peak learning rate (AdamW)")
     min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
     warmup_steps: int = opt(20, "linear warmup steps")
@@ -239,6 +247,7 @@ def _value_checks(cfg: Config) -> list[tuple[str, bool, str]]:
         ("train.batch_size", t.batch_size >= 1, ">= 1"),
         ("train.global_batch_size", (t.global_batch_size or 1) >= 1, ">= 1 or null"),
         ("train.grad_accum", t.grad_accum >= 1, ">= 1"),
+        ("train.accumulate", t.accumulate in ACCUMULATE, " or ".join(ACCUMULATE)),
         ("train.lr", t.lr > 0, "> 0"),
         ("train.min_lr", 0 <= t.min_lr <= t.lr, "in [0, train.lr]"),
         ("train.warmup_steps", t.warmup_steps >= 0, ">= 0"),

@@ -127,10 +127,11 @@ class RunLog:
 
 
 def theoretical_comm(
-    cfg: Config, model: fsdp_lite.FSDPModule, n_params: int, d: Dist
+    cfg: Config, model: fsdp_lite.FSDPModule, n_params: int, d: Dist, accumulate: str
 ) -> tuple[int, str]:
     """(bytes per step per rank, formula): what DESIGN.md says one step moves, counted as
-    fsdp_lite counts it (the full buffer each collective spans), for Psi = ``n_params``."""
+    fsdp_lite counts it (the full buffer each collective spans), for Psi = ``n_params``;
+    micro-steps before the last run as ``accumulate`` says (``Trainer.accumulate``)."""
     f, accum = cfg.fsdp, cfg.train.grad_accum
     shard_world = f.shard_size or d.world_size
     if d.world_size == 1:
@@ -145,16 +146,31 @@ def theoretical_comm(
             what = "2 gathers (the root's once)"
         else:
             gathers, what = 2 * n_params, "2 gathers"
-        total += accum * gathers * DTYPES[f.mixed_precision].itemsize + n_params * 4
-        micro = f" x {accum} micro-steps" if accum > 1 else ""
-        parts.append(f"{what} in {f.mixed_precision}{micro} + 1 reduce-scatter in fp32")
+        # "keep": gathered at the first micro-step, kept to the last (which gathers again
+        # what it reshards after forward, as one micro-step does)
+        gathered = 1 if accum == 1 or accumulate == "keep" else accum
+        reduced = accum if accumulate == "sync" else 1
+        total += gathered * gathers * DTYPES[f.mixed_precision].itemsize + reduced * n_params * 4
+        micro = f" x {accum} micro-steps" if gathered > 1 else ""
+        if accum > 1 and accumulate == "keep":
+            micro = f" (kept across {accum} micro-steps)"
+        scatters = f"{reduced} reduce-scatter" + ("s" if reduced > 1 else "")
+        parts.append(f"{what} in {f.mixed_precision}{micro} + {scatters} in fp32")
     if shard_world < d.world_size:
         total += n_params // shard_world * 4
         parts.append("1 all-reduce of the shard grads across replicas in fp32")
     return total, " + ".join(parts) + f" of Psi = {n_params:,} params"
 
 
-def summarize(cfg: Config, model, n_params: int, results: list[StepMetrics], d: Dist, wall: float):
+def summarize(
+    cfg: Config,
+    model,
+    n_params: int,
+    results: list[StepMetrics],
+    d: Dist,
+    wall: float,
+    accumulate: str,
+):
     """Print the end-of-run summary and write ``summary.json`` next to the TensorBoard
     events (rank 0). Every rank calls it (it gathers the ranks' memory figures)."""
     mem = model.memory_stats()
@@ -164,7 +180,7 @@ def summarize(cfg: Config, model, n_params: int, results: list[StepMetrics], d: 
     steps = len(results)
     timed = results[1:] or results  # the first step includes lazy init
     tps = cfg_tokens(cfg, d) * len(timed) / sum(r.seconds for r in timed)
-    theory, formula = theoretical_comm(cfg, model, n_params, d)
+    theory, formula = theoretical_comm(cfg, model, n_params, d, accumulate)
     measured = results[-1].comm_bytes
     units = sum(isinstance(m, fsdp_lite.FSDPModule) for m in model.modules())
     exposed = sum(sum(r.ranks["exposed_s"]) for r in results)

@@ -12,6 +12,7 @@ a little high.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,11 +23,39 @@ from train_config import Config
 from train_setup import DTYPES, Dist, _inner_model, _offload, _wrap_policy
 
 import fsdp_lite
+from fsdp_lite.planner.estimate import MemoryEstimate
 from fsdp_lite.testing.memory import MemoryRecorder
 
 
-def estimate(cfg: Config, vocab_size: int, d: Dist) -> fsdp_lite.planner.estimate.MemoryEstimate:
-    """One rank's peak over a step of this run, as the planner predicts it."""
+def choose(cfg: Config, vocab_size: int, d: Dist) -> tuple[MemoryEstimate, str]:
+    """How this run's micro-steps before the last run (``train.accumulate``; ``auto``:
+    ``keep`` where its estimate fits this rank's share of the device, else ``no_sync``),
+    and the planner's estimate for a step run so."""
+    mode = cfg.train.accumulate
+    if cfg.train.grad_accum == 1:
+        return estimate(cfg, vocab_size, d, None), mode
+    if mode != "auto":
+        return estimate(cfg, vocab_size, d, mode), mode
+    keep = estimate(cfg, vocab_size, d, "keep")
+    if keep.peak_bytes <= _device_share(d.device):
+        return keep, "keep"
+    return estimate(cfg, vocab_size, d, "no_sync"), "no_sync"
+
+
+def _device_share(device: torch.device) -> int:
+    """What one rank may plan to use: 85% of its GPU, or of the host's memory over the
+    node's ranks (the rest: the allocator's reserve and fragmentation, the process)."""
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+    else:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // ranks
+    return int(0.85 * total)
+
+
+def estimate(cfg: Config, vocab_size: int, d: Dist, accumulation: str | None) -> MemoryEstimate:
+    """One rank's peak over a step of this run, as the planner predicts it, the
+    micro-steps before the last run as ``accumulation`` says (None: one micro-step)."""
     f, t = cfg.fsdp, cfg.train
     with torch.device("meta"):
         inner, blocks = _inner_model(cfg, vocab_size)
@@ -48,6 +77,7 @@ def estimate(cfg: Config, vocab_size: int, d: Dist) -> fsdp_lite.planner.estimat
         device=d.device,
         backend="nccl" if d.device.type == "cuda" else "gloo",
         optimizer_params="whole" if cfg.optim.name == "muon" else "flat",
+        grad_accumulation=accumulation if t.grad_accum > 1 else None,
     )
 
 

@@ -138,6 +138,8 @@ def test_loss_falls_and_summary_reports_comm_against_theory(reference: Path) -> 
     # measured = theory up to padding to a multiple of W and the 4-byte grad-norm all-reduce
     assert summary["comm_bytes_per_step"] == pytest.approx(summary["comm_bytes_theory"], 0.01)
     log = (reference / "ref.log").read_text()
+    assert "micro-steps before the last: keep (train.accumulate=auto)" in log, log
+    assert "(kept across 2 micro-steps) + 1 reduce-scatter in fp32" in log, log
     assert re.search(r"comm bytes/step .*\n\s+theory .*measured/theory 1\.0", log), log
 
 
@@ -207,6 +209,8 @@ def test_feature_knobs_train_checkpoint_and_match_theoretical_comm(tmp_path: Pat
         "train.steps=8",
     ]
     out = torchrun(tmp_path, "knobs", *knobs)
+    # The planner does not model SSD offload: without an estimate, auto means no_sync.
+    assert "micro-steps before the last: no_sync (train.accumulate=auto)" in out, out
     assert "2 gathers in bf16 x 2 micro-steps + 1 reduce-scatter in fp32" in out, out
     summary = json.loads((tmp_path / "runs" / "knobs" / "summary.json").read_text())
     assert summary["units"] > 1 and summary["last_loss"] < summary["first_loss"]
