@@ -58,11 +58,17 @@ lint: venv
 # the step at W=2 (ARGS go to it), host overhead per unit, per-rank memory at W=8/64/512,
 # and compiled vs eager blocks. Each part also runs alone: make bench-host, ...
 #   make bench [ARGS='--steps 10 --precisions fp32']
-.PHONY: bench bench-step bench-host bench-scale bench-compile bench-lora bench-muon
+.PHONY: bench bench-step bench-accum bench-host bench-scale bench-compile bench-lora bench-muon
 bench: bench-step bench-host bench-scale bench-compile
 
 bench-step: venv
 	$(BIN)/python scripts/bench.py $(ARGS)
+
+# Gradient accumulation: 8 micro-batches a step, W=2 gloo, fsdp_lite against FSDP2 at its
+# best (set_reshard_after_backward(False)); step time and bytes (~4 min).
+bench-accum: venv
+	$(BIN)/python scripts/bench.py --micro 8 --systems fsdp_lite,fsdp2 --batch 1 --seq 128 \
+		--steps 10 --rounds 3 $(ARGS)
 
 # Fake process group, W=8, 64 tiny blocks: what each system adds per unit (~2 min).
 bench-host: venv

@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench.py [--systems fsdp_lite,fsdp2,fsdp1,ddp]
         [--precisions fp32,bf16] [--steps 20 --warmup 3] [--world-size 2] [--threads 1]
     make bench ARGS='--steps 10'
+    make bench-accum      # --micro 8: gradient accumulation, fsdp_lite against FSDP2
 
 Each (system, precision) runs in freshly spawned ranks (gloo on CPU; NCCL when every rank
 has a GPU) on the same model (same seed, built before wrapping) and the same data. Per
@@ -31,6 +32,7 @@ from bench_systems import PRECISIONS, SYSTEMS, BenchConfig, rank_main  # noqa: E
 from fsdp_lite.testing.models import GPT  # noqa: E402
 
 MARKERS = "<!-- bench:begin -->", "<!-- bench:end -->"
+ACCUM_MARKERS = "<!-- bench-accum:begin -->", "<!-- bench-accum:end -->"
 COLUMNS = (
     "system", "ms/step", "vs FSDP2", "CPU ms/step", "vs FSDP2", "tokens/s", "peak MiB",
     "vs FSDP2", "resident MiB", "RSS MiB", "vs FSDP2", "comm MiB/step", "vs FSDP2",
@@ -54,8 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="torch threads per rank (default: cores // W)"
     )
     bm.add_config_args(
-        p, BenchConfig(), ("layers", "dim", "heads", "seq", "batch", "vocab", "seed"),
-        helps={"batch": "sequences per rank per step"},
+        p, BenchConfig(), ("layers", "dim", "heads", "seq", "batch", "micro", "vocab", "seed"),
+        helps={
+            "batch": "sequences per rank per micro-batch",
+            "micro": "micro-batches per step (each system accumulating at its best)",
+        },
     )  # fmt: skip
     p.add_argument(
         "--checkpoint", action="store_true", help="activation-checkpoint every block (all systems)"
@@ -67,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.world_size)
     if args.json is None:
-        args.json = args.out.with_suffix(".json")
+        tail = "-accum.json" if args.micro > 1 else ".json"
+        args.json = args.out.with_name(args.out.stem + tail)
     if min(args.steps, args.profile_steps, args.world_size, args.rounds) < 1 or args.warmup < 0:
         p.error("need --steps, --profile-steps, --world-size, --rounds >= 1 and --warmup >= 0")
     return args
@@ -119,7 +125,7 @@ def summarize(ranks: list[dict[str, Any]], cfg: BenchConfig, world: int) -> dict
         "median_step_s": median,
         "min_step_s": min(per_step),
         "median_cpu_s": statistics.median(bm.slowest_per_step(r["step_cpu_s"] for r in ranks)),
-        "tokens_per_s": world * cfg.batch * cfg.seq / median,
+        "tokens_per_s": world * cfg.batch * cfg.micro * cfg.seq / median,
         "peak_bytes": max(r["memory"]["peak_bytes"] for r in ranks),
         "resident_bytes": max(r["memory"]["resident_bytes"] for r in ranks),
         "rss_peak_bytes": max(r["rss_peak_bytes"] for r in ranks),
@@ -214,18 +220,23 @@ def library_lines(results: dict[str, dict[str, dict]]) -> list[str]:
     return lines
 
 
-def report(args: argparse.Namespace, cfg: BenchConfig, results: dict, info: dict) -> str:
+def report(
+    args: argparse.Namespace, cfg: BenchConfig, results: dict, info: dict, markers: tuple
+) -> str:
     """The markdown block between the bench markers of BENCHMARKS.md."""
     psi, m = info["num_params"], info["machine"]
+    micro = f" x {cfg.micro} micro-batches, each system accumulating at its best"
+    micro = micro if cfg.micro > 1 else ""
     lines = [
-        MARKERS[0],
+        markers[0],
         f"{bm.run_line(info['date'], m, gpu=True)}, load average at start {m['load_avg']}, "
         f"at end {info['load_avg_end']}.",
         "",
         f"    {info['command']}",
         "",
         f"GPT: {cfg.layers} blocks, dim {cfg.dim}, {cfg.heads} heads, seq {cfg.seq}, "
-        f"batch {cfg.batch}/rank, vocab {cfg.vocab}, tied embedding, Ψ = {psi:,} parameters"
+        f"batch {cfg.batch}/rank{micro}, vocab {cfg.vocab}, tied embedding, "
+        f"Ψ = {psi:,} parameters"
         f"{', every block activation-checkpointed' if cfg.checkpoint else ''}; "
         f"W={args.world_size} ({info['backend']}), {cfg.threads} thread(s)/rank, AdamW; "
         f"median of {cfg.steps} steps after {cfg.warmup} warm-up"
@@ -240,7 +251,7 @@ def report(args: argparse.Namespace, cfg: BenchConfig, results: dict, info: dict
     lib = library_lines(results)
     if lib:
         lines += ["fsdp_lite's own accounting:", "", *lib, ""]
-    lines.append(MARKERS[1])
+    lines.append(markers[1])
     return "\n".join(lines)
 
 
@@ -253,8 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     info["config"] = dataclasses.asdict(cfg)
     results = run_all(args, cfg)
     info["load_avg_end"] = bm.load_avg()
-    block = report(args, cfg, results, info)
-    bm.publish(block, {"info": info, "results": results}, args, MARKERS, "bench")
+    markers = MARKERS if cfg.micro == 1 else ACCUM_MARKERS
+    block = report(args, cfg, results, info, markers)
+    bm.publish(block, {"info": info, "results": results}, args, markers, "bench")
 
 
 if __name__ == "__main__":

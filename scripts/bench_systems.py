@@ -41,7 +41,11 @@ class BenchConfig:
     dim: int = 256
     heads: int = 4
     seq: int = 256
-    batch: int = 4  # sequences per rank per step
+    batch: int = 4  # sequences per rank per micro-batch
+    # Micro-batches per optimizer step, accumulated as each system does best: fsdp_lite and
+    # FSDP2 with set_requires_gradient_sync / set_reshard_after_backward(False) before the
+    # last, FSDP1 and DDP under no_sync.
+    micro: int = 1
     vocab: int = 4096
     checkpoint: bool = False  # activation checkpointing of every block, in every system
     steps: int = 20  # timed steps
@@ -156,30 +160,44 @@ def _wrap(system: str, precision: str, cfg: BenchConfig, device: torch.device) -
 
 def make_batches(cfg: Any, rank: int, n: int, device: torch.device) -> list[tuple]:
     """``n`` (inputs, targets) batches of random tokens, the same for every system, from a
-    config's seed, vocab, batch and seq (``BenchConfig``, ``bench_muon.MuonBenchConfig``)."""
+    config's seed, vocab, batch (times ``micro``, when it has one) and seq
+    (``BenchConfig``, ``bench_muon.MuonBenchConfig``)."""
     g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-    tokens = torch.randint(cfg.vocab, (n, cfg.batch, cfg.seq + 1), generator=g)
+    rows = cfg.batch * getattr(cfg, "micro", 1)
+    tokens = torch.randint(cfg.vocab, (n, rows, cfg.seq + 1), generator=g)
     return [(t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)) for t in tokens]
 
 
 def train_step(
-    model: nn.Module, opt: torch.optim.Optimizer, batch: tuple, autocast: bool
+    model: nn.Module, opt: torch.optim.Optimizer, batch: tuple, autocast: bool, micro: int = 1
 ) -> torch.Tensor:
-    """zero_grad, forward, backward, AdamW step; returns the (detached) loss."""
-    x, y = batch
+    """zero_grad, forward and backward of ``micro`` micro-batches (``batch`` split), AdamW
+    step; returns the (detached) mean loss."""
     opt.zero_grad(set_to_none=True)
-    ctx = (
-        torch.autocast(x.device.type, dtype=torch.bfloat16)
-        if autocast
-        else contextlib.nullcontext()
-    )
-    with ctx:
-        _, loss = model(x, y)
-    loss.backward()
+    total = torch.zeros(())
+    for i, (x, y) in enumerate(zip(*(t.chunk(micro) for t in batch), strict=True)):
+        ctx = (
+            torch.autocast(x.device.type, dtype=torch.bfloat16)
+            if autocast
+            else contextlib.nullcontext()
+        )
+        with ctx, _accumulating(model, last=i == micro - 1):
+            _, loss = model(x, y)
+            (loss / micro).backward()
+        total += loss.detach().cpu() / micro
     opt.step()
-    if x.device.type == "cuda":
-        torch.cuda.synchronize(x.device)
-    return loss.detach()
+    if batch[0].device.type == "cuda":
+        torch.cuda.synchronize(batch[0].device)
+    return total
+
+
+def _accumulating(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """A micro-batch before the last (or the last) as each system accumulates best."""
+    if hasattr(model, "set_requires_gradient_sync"):  # fsdp_lite, FSDP2
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if last else model.no_sync()
 
 
 def _make_optimizer(model: nn.Module, cfg: BenchConfig) -> torch.optim.Optimizer:
@@ -198,7 +216,7 @@ def timed_pass(
     autocast = system == "ddp" and precision == "bf16"
     losses: list[float] = []
     for i in range(cfg.warmup):
-        losses.append(train_step(model, opt, batches[i], autocast).item())
+        losses.append(train_step(model, opt, batches[i], autocast, cfg.micro).item())
     lib = bm.LibraryAccounting(system)
     times: list[float] = []
     cpu_times: list[float] = []
@@ -206,7 +224,7 @@ def timed_pass(
         for i in range(cfg.warmup, cfg.warmup + cfg.steps):
             lib.before_step()
             watch = bm.Stopwatch()
-            loss = train_step(model, opt, batches[i], autocast)
+            loss = train_step(model, opt, batches[i], autocast, cfg.micro)
             times.append(watch.wall())
             cpu_times.append(watch.cpu())
             lib.after_step()
@@ -236,7 +254,7 @@ def profiled_pass(
         opt = _make_optimizer(model, cfg)
         for i in range(cfg.profile_steps):
             with record_function("bench::step"):
-                train_step(model, opt, batches[i % len(batches)], autocast)
+                train_step(model, opt, batches[i % len(batches)], autocast, cfg.micro)
         del model, opt
     return bm.peak_from_profile(prof, device)
 

@@ -29,7 +29,7 @@ def test_dry_run_writes_every_part_and_the_verdict(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for part in parts.split(","):
         assert f"## {part}" in summary, summary
-    assert summary.count("PASS W=1 gloo") == 8, summary  # one per w1_checks case
+    assert summary.count("PASS W=1 gloo") == 9, summary  # one per w1_checks case
     assert "PASS W=2 gloo on one device" in summary
     assert "SKIP host syncs" in summary and "| fsdp_lite |" in summary
     assert "FAIL" not in summary and "## verdict\n\nPASS" in summary, summary
