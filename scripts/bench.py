@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.world_size)
     if args.json is None:
-        tail = "-accum.json" if args.micro > 1 else ".json"
+        tail = "_accum.json" if args.micro > 1 else ".json"
         args.json = args.out.with_name(args.out.stem + tail)
     if min(args.steps, args.profile_steps, args.world_size, args.rounds) < 1 or args.warmup < 0:
         p.error("need --steps, --profile-steps, --world-size, --rounds >= 1 and --warmup >= 0")
