@@ -233,7 +233,7 @@ class FSDPModule(nn.Module):
         return self._unit.reshard_after_forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module; its hooks gather and reshard (see ``unit.py``)."""
+        """Run the wrapped module; its hooks gather and reshard (see ``root.py``)."""
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

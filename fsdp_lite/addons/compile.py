@@ -1,7 +1,7 @@
 """Compile the blocks of a model with ``torch.compile``, in a way that composes with units.
 
 [Note: compile the forward, not the call]
-A unit's step runs from forward hooks on the wrapped module (see ``unit.py``): they gather,
+A unit's step runs from forward hooks on the wrapped module (see ``root.py``): they gather,
 install fresh views of the full buffer at the parameter attributes, prefetch, and reshard.
 Those hooks run eagerly around the compiled region, never inside it: dynamo skips them
 (``root.register_hooks``), so ``block.compile()`` and ``torch.compile(model)``, before or

@@ -188,12 +188,6 @@ def _swap_buffers(
     return sum(t.untyped_storage().nbytes() for t in fakes.values())
 
 
-def _buffer_dtype(module: nn.Module, buf: torch.Tensor, mp: MixedPrecision | None) -> torch.dtype:
-    if mp is None or mp.buffer_dtype is None or isinstance(module, mp.fp32_module_types):
-        return buf.dtype
-    return mp.buffer_dtype if buf.is_floating_point() else buf.dtype
-
-
 def _install_unit_hooks(
     units: list[UnitLayout],
     fulls: list[list[torch.Tensor]],
