@@ -10,13 +10,14 @@ the seam tests patch to observe what crosses the wire.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,7 @@ def _peer_errors(op: str, unit: str | None, group: ProcessGroup | None = None) -
         what = f"{op} of unit '{unit}'" if unit else op
         # The error path only: a peer that turned off the agreed iterations left its entry
         # in the store (the divergence check's post-mortem, see Note).
-        check = group_cache(group).get("check") if group is not None else None
+        check = group_state(group).check if group is not None else None
         turned = check.post_mortem(group) if check is not None else None
         if turned is not None:
             raise DivergenceError(f"fsdp_lite: {what} failed: {turned}") from e
@@ -138,7 +139,7 @@ class Handle:
 def _wait_watching_for_divergence(work: Any, group: ProcessGroup | None) -> None:
     """Block until ``work`` is done. Every ``STALL_SECONDS`` still waiting, see whether a
     peer rank opened a divergence check this rank should answer (core/divergence.py)."""
-    check = group_cache(group).get("check") if group is not None else None
+    check = group_state(group).check if group is not None else None
     if check is None or not check.watching():
         work.wait()
         return
@@ -213,11 +214,11 @@ def separate_group(group: ProcessGroup) -> ProcessGroup:
     reduce-scatter. Collective over ``group``'s members only (local synchronization),
     except where NCCL was initialized eagerly (a bound device): the new communicator is
     then split from the world's, which every rank of the world must join."""
-    cache = group_cache(group)
-    if "separate" not in cache:
+    state = group_state(group)
+    if state.separate is None:
         ranks = dist.get_process_group_ranks(group)
-        cache["separate"] = dist.new_group(ranks, use_local_synchronization=True)
-    return cache["separate"]
+        state.separate = dist.new_group(ranks, use_local_synchronization=True)
+    return state.separate
 
 
 def hybrid_groups(shard_size: int) -> tuple[ProcessGroup, ProcessGroup]:
@@ -245,10 +246,10 @@ def comm_device(group: ProcessGroup, device: torch.device) -> torch.device:
     """Where a collective on ``group`` runs for a tensor on ``device``: that device if the
     group's backend takes it, else the backend's (NCCL takes CUDA tensors only: CPU-offloaded
     shards and CPU state are staged on the current CUDA device)."""
-    cache = group_cache(group)
-    types = cache.get("device_types")
+    state = group_state(group)
+    types = state.device_types
     if types is None:
-        types = cache["device_types"] = {d.type for d in getattr(group, "_device_types", [])}
+        types = state.device_types = {d.type for d in getattr(group, "_device_types", [])}
     if not types or device.type in types:
         return device
     if "cuda" in types:
@@ -256,26 +257,52 @@ def comm_device(group: ProcessGroup, device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
-def group_cache(group: ProcessGroup) -> dict[str, Any]:
-    """What fsdp_lite keeps per process group (its backend, device types, the separate
-    reduce-scatter group, ...), held for as long as the group object lives: a group made
-    after ``destroy_process_group`` starts empty, even where it reuses a name."""
-    cache = _GROUP_CACHES.get(group)
-    if cache is None:
-        cache = _GROUP_CACHES[group] = {}
-    return cache
+class CollectiveCheck(Protocol):
+    """What the collectives ask of a process group's divergence check
+    (``divergence._Check``, which registers itself in :attr:`GroupState.check`)."""
+
+    def before(self, op: str, unit: str | None, tensor: torch.Tensor, group: ProcessGroup) -> None:
+        """Called before each collective on the group."""
+
+    def watching(self) -> bool:
+        """Should a long wait look for a peer's open check?"""
+
+    def answer_open_check(self, group: ProcessGroup) -> None:
+        """Answer a check a peer rank opened, if any."""
+
+    def post_mortem(self, group: ProcessGroup) -> str | None:
+        """After a collective failed: what a peer that left the agreed path posted."""
 
 
-# State that belongs to a process group (the divergence check's agreed paths, whole params'
-# bytes owned so far, separate reduce-scatter groups), keyed weakly by the group: it dies
-# with the group, and a new group after destroy_process_group starts clean.
-_GROUP_CACHES: weakref.WeakKeyDictionary[ProcessGroup, dict[str, Any]] = weakref.WeakKeyDictionary()
+@dataclasses.dataclass
+class GroupState:
+    """What fsdp_lite keeps per process group, for as long as the group object lives: a
+    group made after ``destroy_process_group`` starts empty, even where it reuses a name."""
+
+    backend: str | None = None  # dist.get_backend, asked once
+    device_types: set[str] | None = None  # the device types its backend takes
+    separate: ProcessGroup | None = None  # separate_group's second group over its ranks
+    owned: list[int] | None = None  # whole params' bytes owned per rank so far (ownership)
+    check: CollectiveCheck | None = None  # its divergence check, once a root ran on it
 
 
-def forget_in_group_caches(key: str) -> None:
-    """Drop ``key`` from every live group's cache."""
-    for cache in list(_GROUP_CACHES.values()):
-        cache.pop(key, None)
+def group_state(group: ProcessGroup) -> GroupState:
+    """``group``'s :class:`GroupState` (made on first use)."""
+    state = _GROUP_STATES.get(group)
+    if state is None:
+        state = _GROUP_STATES[group] = GroupState()
+    return state
+
+
+# Keyed weakly by the group: the state dies with it, and a new group after
+# destroy_process_group starts clean.
+_GROUP_STATES: weakref.WeakKeyDictionary[ProcessGroup, GroupState] = weakref.WeakKeyDictionary()
+
+
+def forget_owned() -> None:
+    """Drop every live group's whole-params ownership counts (``ownership.forget_owned``)."""
+    for state in list(_GROUP_STATES.values()):
+        state.owned = None
 
 
 def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -299,7 +326,7 @@ def _begin(
     device the collective runs on for data near ``near`` is returned."""
     if world_size(group) == 1:
         return None
-    check = group_cache(group).get("check")  # core/divergence.py's, once a root ran
+    check = group_state(group).check  # core/divergence.py's, once a root ran
     if check is not None:
         check.before(op, unit, tensor, group)
     accounting.record_collective(kind or op, tensor, unit)
@@ -368,11 +395,10 @@ def _on_nccl(group: ProcessGroup, device: torch.device) -> bool:
 
 
 def _backend(group: ProcessGroup) -> str:
-    cache = group_cache(group)
-    backend = cache.get("backend")
-    if backend is None:
-        backend = cache["backend"] = dist.get_backend(group)
-    return backend
+    state = group_state(group)
+    if state.backend is None:
+        state.backend = dist.get_backend(group)
+    return state.backend
 
 
 def _gather_by_broadcasts(

@@ -30,7 +30,7 @@ post-mortem of _peer_errors). Nothing reads the store in the steady state.
 "thorough": lockstep always. "off": nothing. Set with FSDP_LITE_CHECK or
 set_divergence_check().
 
-The check of a process group lives in the group's cache (``collectives.group_cache``),
+The check of a process group lives in the group's state (``collectives.GroupState.check``),
 made at the first root forward on it; ``collectives`` calls it before each collective, while
 a wait stalls, and when a collective fails (its post-mortem).
 """
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from fsdp_lite.core import collectives
-from fsdp_lite.core.collectives import DivergenceError, ProcessGroup, group_cache
+from fsdp_lite.core.collectives import DivergenceError, ProcessGroup, group_state
 
 CHECK_MODES = ("off", "cheap", "thorough")
 _HISTORY = 8  # iterations remembered to answer a late check
@@ -83,7 +83,7 @@ class _Path:
 
 
 class _Check:
-    """One process group's divergence check (see Note), kept in the group's cache."""
+    """One process group's divergence check (see Note), kept in the group's state."""
 
     def __init__(self, group: ProcessGroup) -> None:
         self.peers = collectives.world_size(group) > 1 and collectives._backend(group) != "fake"
@@ -280,11 +280,10 @@ def _describe(ranks: list[int], entries: list, iteration: int, position: int) ->
 
 
 def check_of(group: ProcessGroup) -> _Check:
-    cache = group_cache(group)
-    check = cache.get("check")
-    if check is None:
-        check = cache["check"] = _Check(group)
-    return check
+    state = group_state(group)
+    if state.check is None:
+        state.check = _Check(group)
+    return state.check  # type: ignore[return-value]
 
 
 def start_iteration(root: str, group: ProcessGroup, device: torch.device) -> None:

@@ -36,7 +36,10 @@ def plan_owners(
     every rank of ``group`` (every rank wraps the same modules in the same order)."""
     size = collectives.world_size(group)
     # bytes of master parameters owned by each rank of the group so far
-    owned = collectives.group_cache(group).setdefault("owned", [0] * size)
+    state = collectives.group_state(group)
+    if state.owned is None:
+        state.owned = [0] * size
+    owned = state.owned
     unique = list({id(p): p for _, _, p in params}.values())
     ranks = assign([master_nbytes(p) for p in unique], owned)
     rank_of = {id(p): r for p, r in zip(unique, ranks, strict=True)}
@@ -59,4 +62,4 @@ def forget_owned() -> None:
     """Forget every whole-params unit wrapped so far: the next model is balanced as if it
     were the first (for tests and benchmarks that wrap several models in one process;
     call it on every rank at the same point)."""
-    collectives.forget_in_group_caches("owned")
+    collectives.forget_owned()
