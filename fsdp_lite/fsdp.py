@@ -282,6 +282,8 @@ class FSDPModule(nn.Module):
             owner.rebuild_schedule()
 
     def _units_to_set(self, recurse: bool, doing: str) -> list[Unit]:
+        """The units of this tree (``recurse``) or this one, each checked IDLE: ``doing``
+        is refused inside a forward or backward."""
         units = self._tree_units() if recurse else [self._unit]
         for unit in units:
             check_state(unit.name, unit.state, TrainingState.IDLE, doing=doing)
@@ -297,10 +299,7 @@ class FSDPModule(nn.Module):
         the new group is then a split of the world's communicator, a collective over every
         rank of it. ``False`` goes back to the shared group. (As FSDP2's method of the same
         name; whether it pays on a GPU is unmeasured.)"""
-        units = self._tree_units()
-        for unit in units:
-            check_state(unit.name, unit.state, TrainingState.IDLE, doing="change its groups")
-        for unit in units:
+        for unit in self._units_to_set(True, "change its groups"):
             for flat in unit.flat_params:
                 separate = enable and flat.world_size > 1
                 flat.reduce_group = (
@@ -328,9 +327,7 @@ class FSDPModule(nn.Module):
         optimizer.step()``, a sync of its own). ``error_if_nonfinite`` reads the norm on
         the host (a sync) and raises naming the units with non-finite grads.
         """
-        units = self._tree_units()
-        for unit in units:
-            check_state(unit.name, unit.state, TrainingState.IDLE, doing="clip_grad_norm_")
+        units = self._units_to_set(True, "clip_grad_norm_")
         grads = [g for u in units for f in u.flat_params for g in f.grads()]
         whole = self._ignored_grads()
         total = total_norm(grads, float(norm_type), self.device, self.process_group, whole)

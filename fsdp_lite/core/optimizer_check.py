@@ -12,9 +12,9 @@ silently wrong.
   unscaled them: a stock ``GradScaler`` skips a step on one rank only (a warning).
 
 One global step pre-hook (torch offers none per parameter), installed once per process by
-the first wrap; it checks each optimizer once, marking it, so it costs nothing after an
-optimizer's first step, and nothing beyond a dictionary lookup for optimizers holding no
-fsdp_lite parameter.
+the first wrap (``install_check``); it checks each optimizer once, marking it, so it costs
+nothing after an optimizer's first step, and nothing beyond a dictionary lookup for
+optimizers holding no fsdp_lite parameter.
 """
 
 from __future__ import annotations
@@ -41,10 +41,16 @@ _AGREED_ATTR = "_fsdp_lite_overflow_agreed"
 _HOOK: list = []
 
 
-def forget_original(p: nn.Parameter, name: str) -> None:
-    """``p`` was flattened into a shard: empty it and mark it (see the module docstring)."""
+def install_check() -> None:
+    """Install the one global optimizer step pre-hook that runs the checks, once per
+    process (every wrap calls it; the first installs it)."""
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def empty_flattened(p: nn.Parameter, name: str) -> None:
+    """``p`` was flattened into a shard: empty it and mark it with its ``name``, so an
+    optimizer holding it is refused (see the module docstring)."""
     p.__dict__[_FLATTENED_ATTR] = name
     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     p.grad = None

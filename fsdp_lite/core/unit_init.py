@@ -137,8 +137,9 @@ def _make_flat(
         for sub, attr in slot.locations:
             delattr(sub, attr)
             sub.__dict__["_fsdp_lite_sharded_by"] = weakref.ref(unit)
+    optimizer_check.install_check()
     for slot, p in members:
-        optimizer_check.forget_original(p, slot.name)
+        optimizer_check.empty_flattened(p, slot.name)
     flat.use_placeholders()
     return flat
 
