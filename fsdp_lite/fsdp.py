@@ -172,23 +172,21 @@ class FSDPModule(nn.Module):
         self.module = module
         # Parameters are sharded over process_group; with hybrid sharding the shard grads
         # are then averaged over replicate_group (None otherwise).
-        self.process_group, self.replicate_group = collectives.resolve_groups(o.process_group)
-        self.device = devices.default_device(o.device)
-        self.mixed_precision = o.mixed_precision
-        self.prefetch = o.prefetch
+        process_group, replicate_group = collectives.resolve_groups(o.process_group)
+        device = devices.default_device(o.device)
         # The global rank: shard-group ranks repeat across replicas (hybrid sharding), and
         # an SSD directory named by one would be shared by two nodes' ranks.
         rank = collectives.global_rank()
         unit = Unit(
             module,
-            process_group=self.process_group,
-            replicate_group=self.replicate_group,
-            device=self.device,
+            process_group=process_group,
+            replicate_group=replicate_group,
+            device=device,
             mixed_precision=o.mixed_precision,
             prefetch=o.prefetch,
             reshard_after_forward=o.reshard_after_forward,
             fp32_masters=o.fp32_masters,
-            home=o.offload.make_home(self.device, rank) if o.offload else DeviceHome(self.device),
+            home=o.offload.make_home(device, rank) if o.offload else DeviceHome(device),
         )
         self.__dict__[UNIT_ATTR] = unit
         if plan.ignore is not None:  # the outermost unit leaves them whole (ignored.py)
@@ -226,6 +224,29 @@ class FSDPModule(nn.Module):
     @property
     def training_state(self) -> TrainingState:
         return self._unit.state
+
+    # What the unit was built with (the unit holds them; these read them).
+    @property
+    def process_group(self) -> collectives.ProcessGroup:
+        """The ranks this unit shards over."""
+        return self._unit.process_group
+
+    @property
+    def replicate_group(self) -> collectives.ProcessGroup | None:
+        """With hybrid sharding, the ranks shard grads are averaged across; else None."""
+        return self._unit.replicate_group
+
+    @property
+    def device(self) -> torch.device:
+        return self._unit.device
+
+    @property
+    def mixed_precision(self) -> MixedPrecision | None:
+        return self._unit.mixed_precision
+
+    @property
+    def prefetch(self) -> PrefetchPolicy | None:
+        return self._unit.prefetch
 
     @property
     def reshard_after_forward(self) -> bool | None:
