@@ -101,7 +101,8 @@ class FlatParam:
         # An all-gather in flight into full_data, and its send buffer (kept alive until done).
         self._gather: collectives.Handle | None = None
         self._gather_send: torch.Tensor | None = None
-        # Accounting: the owning unit's name (set when its Root is made) and identity.
+        # Accounting: the owning unit's name (``name_unit``, when its Root is made) and
+        # identity.
         self.unit_name: str | None = None
         self.unit_key = 0
         # One FreedParameter per slot, at its locations whenever full_data is freed.
@@ -110,6 +111,12 @@ class FlatParam:
         self.views: list[torch.Tensor] | None = None
         # optimizer_params 'pieces' / 'whole': what the optimizer sees instead of the shard.
         self.orig_params: OrigParams | None = None
+
+    def name_unit(self, name: str, key: int) -> None:
+        """The owning unit's name and identity, for accounting and messages; placeholders
+        made from now on name it."""
+        self.unit_name, self.unit_key = name, key
+        self.placeholders = None
 
     def _lay_out(self, owners: list[int] | None) -> None:
         """Rank r keeps elements ``[bounds[r], bounds[r + 1])`` of the padded flat param: a

@@ -104,10 +104,7 @@ class Root:
         names = {id(m): n for n, m in clean_named_modules(unit.module)}
         for u in units:
             path = names.get(id(unwrap(u.module)), "")
-            u.name = path or f"<root {type(u.module).__name__}>"
-            for flat in u.flat_params:
-                flat.unit_name, flat.unit_key = u.name, id(u)
-                flat.placeholders = None  # placeholders made from now on name the unit
+            u.set_name(path or f"<root {type(u.module).__name__}>")
         for u in units:  # each raises on every rank alike; the next forward checks again
             check_replicas_agree(u)
             check_initialized(u)
@@ -374,24 +371,8 @@ class Root:
     def post_backward(self, unit: Unit, flat: FlatParam) -> None:
         """``flat``'s full gradient is complete: free it and reduce-scatter the gradient."""
         if unit.grad_complete(flat):
-            self._reduce(unit, flat)
-
-    def _reduce(self, unit: Unit, flat: FlatParam) -> None:
-        """The one reduce path (``Unit.reduce_grad``), with at most one reduce-scatter in
-        flight: before a unit issues one, the one before it is waited for. Until waited
-        for, each holds memory the size of its full gradient (gloo's copy; NCCL's stashed
-        input); the previous one had this unit's whole backward to finish. With hybrid
-        sharding its replicate all-reduce starts then, overlapping this unit's backward.
-        Results reach the shard grads at the end of backward, in issue order; every rank
-        issues the same collectives in the same order whatever the timing."""
-        if not flat.has_leftover_grad(unit.sync_grads):
-            return
-        with accounting.region("fsdp_lite::post_backward"):
-            if unit.sync_grads and self.pending:
-                self.pending[-1].replicate()  # every earlier one was waited for the same way
-            pending = unit.reduce_grad(flat)
-            if pending is not None:
-                self.pending.append(pending)
+            with accounting.region("fsdp_lite::post_backward"):
+                unit.reduce_grad(flat, self.pending, self.reduce_stream)
 
     def finish_backward(self) -> None:
         """End of backward: reduce what no hook took, wait for every reduce-scatter, set shard
@@ -404,7 +385,7 @@ class Root:
         with accounting.region("fsdp_lite::finish_backward"):
             for unit in self.units:
                 for flat in unit.flat_params:
-                    self._reduce(unit, flat)
+                    unit.reduce_grad(flat, self.pending, self.reduce_stream)
             averaging = self.replicas.start() if self.unit.sync_grads else None
             for pending in self.pending:
                 pending.finish()

@@ -122,6 +122,12 @@ class Unit:
     def own(self, flats: list[FlatParam]) -> None:
         self.flat_params = flats
 
+    def set_name(self, name: str) -> None:
+        """Its path in the root's tree (the root names every unit when it is made)."""
+        self.name = name
+        for flat in self.flat_params:
+            flat.name_unit(name, id(self))
+
     # -- forward -------------------------------------------------------------------
 
     def start_forward(self) -> bool:
@@ -217,20 +223,33 @@ class Unit:
             flat.reshard()
         return True
 
-    def reduce_grad(self, flat: FlatParam) -> PendingGrad | None:
-        """Reduce-scatter the gradient ``flat`` holds, or keep it under no_sync: the one
-        reduce path, from the gradient's hook and, for every flat param, from the root's
-        end of backward. Idempotent: a gradient already taken leaves nothing to do."""
+    def reduce_grad(
+        self, flat: FlatParam, in_flight: list[PendingGrad], stream: torch.cuda.Stream | None
+    ) -> None:
+        """Reduce-scatter the gradient ``flat`` holds onto ``in_flight`` (the root's queue),
+        or keep it under no_sync: the one reduce path, from the gradient's hook and, for
+        every flat param, from the root's end of backward. Idempotent: a gradient already
+        taken leaves nothing to do.
+
+        At most one reduce-scatter is in flight: before this one is issued, the one before
+        it is waited for. Until waited for, each holds memory the size of its full gradient
+        (gloo's copy; NCCL's stashed input); the previous one had this unit's whole
+        backward to finish. With hybrid sharding its replicate all-reduce starts then,
+        overlapping this backward. Results reach the shard grads at the end of backward,
+        in issue order; every rank issues the same collectives in the same order whatever
+        the timing. ``stream``: where widened gradients are reduced (the root's)."""
         if not flat.has_leftover_grad(self.sync_grads):
-            return None
-        pending = None
+            return
         if self.sync_grads:
-            pending = reduce.reduce_scatter(flat, self.reduce_dtype(flat), self.root.reduce_stream)
+            if in_flight:
+                in_flight[-1].replicate()  # every earlier one was waited for the same way
+            pending = reduce.reduce_scatter(flat, self.reduce_dtype(flat), stream)
+            if pending is not None:
+                in_flight.append(pending)
         else:
             flat.accumulate_unsharded()
         self.grads_pending.discard(id(flat))
         self._free_frozen_if_done()
-        return pending
 
     def in_backward(self) -> bool:
         return self.state in _BACKWARD_STATES
