@@ -182,7 +182,8 @@ class Root:
         with outside_inference_mode():
             if in_backward():  # activation-checkpoint recompute
                 self.pre_backward(unit)
-                unit.use_full_params()
+                unit.unshard(async_op=False)  # waits for a gather still in flight
+                unit.use_full_views()
                 unit.watch_inputs(args, kwargs, recompute=True)
                 return (args, kwargs)
             if unit.is_root:
@@ -194,7 +195,7 @@ class Root:
                 self.forward_order.start()
             with accounting.region("fsdp_lite::unshard"):
                 self._unshard(unit, backward=False)
-                unit.use_full_params()
+                unit.use_full_views()
         unit.watch_inputs(args, kwargs)
         return (args, kwargs)
 

@@ -7,7 +7,7 @@ step, ``addons/summon.py`` moves a unit in and out of SUMMON_FULL_PARAMS.
 
     start_forward    check the state and requires_grad; FORWARD
     unshard          issue the gathers (a prefetch), wait_unshard completes them
-    use_full_params  the module's parameters become views of the full buffers
+    use_full_views   the module's parameters become views of the full buffers
     end_forward      reshard unless kept; IDLE
     start_backward   PRE_BACKWARD; views back for a recompute
     grad_complete    a flat param's gradient is complete: POST_BACKWARD, free it
@@ -181,9 +181,10 @@ class Unit:
         for flat in self.flat_params:
             flat.wait_unshard()
 
-    def use_full_params(self) -> None:
+    def use_full_views(self) -> None:
+        """The gathered full parameters' views at the parameter locations (gathered: see
+        ``unshard``/``wait_unshard``)."""
         for flat in self.flat_params:
-            flat.unshard()
             flat.use_full_views()
 
     def reshard(self) -> None:

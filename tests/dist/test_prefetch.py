@@ -13,7 +13,8 @@ from torch import nn
 import fsdp_lite
 from fsdp_lite import PrefetchPolicy
 from fsdp_lite.core import collectives
-from fsdp_lite.core.unit import Unit
+from fsdp_lite.core import reduce as reduce_module
+from fsdp_lite.core.tree import unit_of
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.models import Block, GPTConfig
 from fsdp_lite.testing.reference import compare_training
@@ -142,20 +143,21 @@ def _check_order_recorded_again_after_a_different_first_pass() -> None:
 def _check_reduce_scatter_inputs_bounded() -> None:
     """A backward keeps at most one reduce-scatter (holding memory the size of a full
     gradient) in flight, not every unit's until its end."""
-    reduce_grad, in_flight = Unit.reduce_grad, []
+    reduce_scatter, in_flight = reduce_module.reduce_scatter, []
+    model = wrap_blocks(gpt(n_layer=6))
 
-    def spy(unit, flat):  # called once the previous reduce-scatter was waited for
-        in_flight.append(sum(not p.waited for p in unit.root.pending) + 1)  # + the next
-        return reduce_grad(unit, flat)
+    def spy(flat, *args):  # called once the previous reduce-scatter was waited for
+        pending = unit_of(model).root.pending
+        in_flight.append(sum(not p.waited for p in pending) + 1)  # + the next
+        return reduce_scatter(flat, *args)
 
-    Unit.reduce_grad = spy
+    reduce_module.reduce_scatter = spy
     try:
-        model = wrap_blocks(gpt(n_layer=6))
         x, y = token_batch(1, 0)
         for _ in range(2):
             model(x, y)[1].backward()
     finally:
-        Unit.reduce_grad = reduce_grad
+        reduce_module.reduce_scatter = reduce_scatter
     assert len(in_flight) == 2 * 7, in_flight  # before each unit's reduce-scatter
     assert max(in_flight) <= 1, in_flight
 
