@@ -17,7 +17,7 @@ Each term is one named line of the breakdown, each following one place of the co
 - ``reduce_scatter_buffers``: the full gradient cast to the reduce dtype, at the
   post-backward; and, on a real backend, what the process group keeps of the one
   reduce-scatter in flight until the next unit's post-backward waits for it
-  (``Root._reduce``): the input itself (the cast, or the full
+  (``Unit.reduce_grad``): the input itself (the cast, or the full
   gradient), which NCCL stashes and gloo all-reduces in place. The fake keeps nothing.
 - ``gradients``: the reduce-scatter outputs (shard-sized, reduce dtype) waiting in
   ``Root.pending`` for the end of backward, then the fp32 shard grads they become
