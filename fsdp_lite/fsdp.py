@@ -20,9 +20,9 @@ from fsdp_lite.addons import state_dict as _state_dict
 from fsdp_lite.addons import state_dict_type as _sdt
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
 from fsdp_lite.core import collectives, deferred_init, devices, ignored, ownership, root
-from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy, resolve_optimizer_params
 from fsdp_lite.core.grads import nonfinite_units, scale_, total_norm
 from fsdp_lite.core.home import DeviceHome
+from fsdp_lite.core.policies import MixedPrecision, PrefetchPolicy, resolve_optimizer_params
 from fsdp_lite.core.state import TrainingState, check_state
 from fsdp_lite.core.tree import SHARDED_FLAG, UNIT_ATTR, named_as_unwrapped, units_of
 from fsdp_lite.core.unit import Unit

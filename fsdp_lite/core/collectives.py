@@ -98,7 +98,8 @@ class Handle:
         self.device = device
         self.group = group
         self.after = after
-        self.failed: Any = None  # a work whose wait raised, kept with its buffers
+        # The work while its wait runs, kept (with its buffers) if that wait raised.
+        self.pending_work: Any = None
 
     @property
     def waited(self) -> bool:
@@ -112,7 +113,7 @@ class Handle:
             return  # waited for at most once, even if that wait failed
         # Referenced until the wait returns: if it raises while the collective is still in
         # flight, the buffers the work writes must not be freed under it.
-        self.failed, self.work = work, None
+        self.pending_work, self.work = work, None
         if self.device.type == "cuda" and not exposed:
             with _peer_errors("waiting for a collective", self.unit, self.group):
                 work.wait()
@@ -130,7 +131,7 @@ class Handle:
             with _peer_errors("waiting for a collective", self.unit, self.group):
                 _wait_watching_for_divergence(work, self.group)
             accounting.record_wait(self.unit, time.perf_counter() - t0)
-        self.failed = None
+        self.pending_work = None
         after, self.after = self.after, None  # it may hold the collective's buffers
         if after is not None:
             after()

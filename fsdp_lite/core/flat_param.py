@@ -130,7 +130,7 @@ class FlatParam:
         self.shard_numel = self.bounds[self.rank + 1] - self.bounds[self.rank]
         # Each rank's shard size where they differ (collectives then take per-rank sizes).
         sizes = [b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False)]
-        self.sizes = sizes if len(set(sizes)) > 1 else None
+        self.rank_sizes = sizes if len(set(sizes)) > 1 else None
 
     # -- storage -----------------------------------------------------------------
 
@@ -204,7 +204,7 @@ class FlatParam:
             send = self.home.shard_for_gather(self.shard).to(self.compute_dtype)
             self._gather = collectives.all_gather_flat(
                 self.full_data, send, self.group, async_op=True, unit=self.unit_name,
-                sizes=self.sizes,
+                sizes=self.rank_sizes,
             )  # fmt: skip
         self._gather_send = send
         if not async_op:
@@ -235,7 +235,7 @@ class FlatParam:
             source = self.home.shard_for_gather(self.shard) if fetched else source.detach()
             source = source.to(self.device, self.shard.dtype)
             out = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.device)
-            collectives.all_gather_flat(out, source, self.group, sizes=self.sizes)
+            collectives.all_gather_flat(out, source, self.group, sizes=self.rank_sizes)
             if fetched:
                 self.home.after_gather(self.shard)
         return out[: self.numel]

@@ -1,5 +1,5 @@
 """Tensors inside the nested structures modules take and return (tuples, lists, dicts,
-dataclasses such as Hugging Face's ``ModelOutput``), and the autograd facts hooks ask."""
+dataclasses such as Hugging Face's ``ModelOutput``)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,3 @@ def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward pass on this thread."""
-    return torch._C._current_graph_task_id() != -1

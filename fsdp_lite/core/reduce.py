@@ -55,7 +55,7 @@ def reduce_scatter(
         return None
     ranks = flat.world_size * flat.replicas  # averaged over
     with torch.no_grad():
-        pieces = reduce_pieces(grad.numel(), grad.dtype, reduce_dtype, even=flat.sizes is None)
+        pieces = reduce_pieces(grad.numel(), grad.dtype, reduce_dtype, even=flat.rank_sizes is None)
         if pieces > 1:  # by columns of the (W, shard) layout
             out = torch.empty(flat.shard_numel, dtype=reduce_dtype, device=grad.device)
             works = _reduce_widened(flat, grad, out, pieces, stream)
@@ -68,7 +68,7 @@ def reduce_scatter(
             grad.div_(pre)
         out = torch.empty(flat.shard_numel, dtype=reduce_dtype, device=grad.device)
         work = collectives.reduce_scatter_flat(
-            out, grad, flat.reduce_group, unit=flat.unit_name, sizes=flat.sizes
+            out, grad, flat.reduce_group, unit=flat.unit_name, sizes=flat.rank_sizes
         )
     return PendingGrad(flat, [work], out, ranks / pre)
 
@@ -140,7 +140,7 @@ class PendingGrad:
         devices.wait_mark(self.queued)
         self.queued = None
 
-    def replicate(self) -> None:
+    def wait_and_replicate(self) -> None:
         """Wait for the reduce-scatter, then (hybrid sharding) start the replicate
         all-reduce of its result. On NCCL neither blocks the host: the wait orders the
         current stream after the reduce-scatter."""
@@ -158,7 +158,7 @@ class PendingGrad:
         )  # fmt: skip
 
     def finish(self) -> None:
-        self.replicate()
+        self.wait_and_replicate()
         if self.replicated is not None:
             self.replicated.wait()
         if self.divide_by != 1:

@@ -39,10 +39,10 @@ from torch import nn
 
 from fsdp_lite.core import accounting, collectives, devices, divergence, ignored, schedule
 from fsdp_lite.core.flat_param import FlatParam
-from fsdp_lite.core.nested import cast_floats, in_backward, tensors_in
+from fsdp_lite.core.nested import cast_floats, tensors_in
 from fsdp_lite.core.optimizer_check import loose_parameters, shapes_of
 from fsdp_lite.core.reduce import PendingGrad
-from fsdp_lite.core.state import TrainingState
+from fsdp_lite.core.state import TrainingState, in_backward
 from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of, units_of, unwrap
 from fsdp_lite.core.unit import Unit, outside_inference_mode
 from fsdp_lite.core.unit_init import check_initialized, check_replicas_agree
@@ -116,7 +116,7 @@ class Root:
         for u in units:
             u.frozen_early = _frees_frozen_early(u, units)
             u.root, u.is_root = self, u is unit
-        self.unit = unit
+        self.root_unit = unit
         self.units = units  # every unit in the tree, the root first
         # Where the tree's shards live, each home once (units may share one).
         self.homes = list({id(f.home): f.home for u in units for f in u.flat_params}.values())
@@ -144,7 +144,7 @@ class Root:
             what = f"unit '{busy[0].name}' is in state {busy[0].state.name}" if busy else (
                 "its backward has not finished")  # fmt: skip
             raise RuntimeError(
-                f"fsdp_lite: the units of root '{self.unit.name}' are taken over by another "
+                f"fsdp_lite: the units of root '{self.root_unit.name}' are taken over by another "
                 f"root (a wrapped model wrapped again) in the middle of an iteration: {what}. "
                 "Wrap it again, or run the new root, between iterations (after backward "
                 "finished; after an exception in backward call reset_training_state() first)"
@@ -158,7 +158,7 @@ class Root:
     def _build_schedule(self) -> schedule.Schedule[Unit]:
         return schedule.build(
             self.units,
-            self.unit,
+            self.root_unit,
             lambda u: u.reshard_after_forward,
             self.forward_order.recorded or (),
             self.backward_order.recorded or (),
@@ -301,7 +301,7 @@ class Root:
         if self.inputs_checked or not torch.is_grad_enabled():
             return
         self.inputs_checked = True
-        unit = self.unit
+        unit = self.root_unit
         replicas = unit.replicate_group
         ranks = collectives.world_size(unit.process_group) * (
             collectives.world_size(replicas) if replicas is not None else 1
@@ -387,7 +387,7 @@ class Root:
             for unit in self.units:
                 for flat in unit.flat_params:
                     unit.reduce_grad(flat, self.pending, self.reduce_stream)
-            averaging = self.replicas.start() if self.unit.sync_grads else None
+            averaging = self.replicas.start() if self.root_unit.sync_grads else None
             for pending in self.pending:
                 pending.finish()
             self.pending.clear()
@@ -417,7 +417,7 @@ class Root:
         self.averaging_queued = False
         if self.callback_queued:
             return  # a unit's backward began after it: finish_backward averages
-        averaging = self.replicas.start() if self.unit.sync_grads else None
+        averaging = self.replicas.start() if self.root_unit.sync_grads else None
         if averaging is not None:
             averaging.finish()
 

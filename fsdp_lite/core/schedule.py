@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from fsdp_lite.core import accounting
-from fsdp_lite.core.api import PrefetchPolicy
+from fsdp_lite.core.policies import PrefetchPolicy
 
 T = TypeVar("T", bound=Hashable)
 

@@ -1,4 +1,4 @@
-"""TrainingState and checked transitions.
+"""TrainingState and checked transitions, and whether a backward is running.
 
 IDLE -> FORWARD -> IDLE -> PRE_BACKWARD -> POST_BACKWARD -> IDLE, and
 IDLE -> SUMMON_FULL_PARAMS -> IDLE. Root and non-root units share the enum.
@@ -7,6 +7,8 @@ IDLE -> SUMMON_FULL_PARAMS -> IDLE. Root and non-root units share the enum.
 from __future__ import annotations
 
 from enum import Enum, auto
+
+import torch
 
 
 class TrainingState(Enum):
@@ -32,3 +34,8 @@ def check_state(
         f"fsdp_lite unit '{unit_name}' cannot {doing}: it is in state {actual.name}, "
         f"expected {wanted}"
     )
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1

@@ -62,10 +62,10 @@ import torch
 from torch import nn
 
 from fsdp_lite.core import collectives, reduce
-from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.nested import tensors_in
+from fsdp_lite.core.policies import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.reduce import PendingGrad
 from fsdp_lite.core.state import TrainingState, check_state
 
@@ -243,7 +243,7 @@ class Unit:
             return
         if self.sync_grads:
             if in_flight:
-                in_flight[-1].replicate()  # every earlier one was waited for the same way
+                in_flight[-1].wait_and_replicate()  # every earlier one was waited for the same way
             pending = reduce.reduce_scatter(flat, self.reduce_dtype(flat), stream)
             if pending is not None:
                 in_flight.append(pending)

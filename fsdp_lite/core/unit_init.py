@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from fsdp_lite.core import collectives, deferred_init, optim_view, optimizer_check, ownership
-from fsdp_lite.core.api import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.flat_param import FlatParam, ParamSlot, master_dtype
 from fsdp_lite.core.nested import cast_floats
+from fsdp_lite.core.policies import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.state import TrainingState, check_state
 from fsdp_lite.core.tree import (
     SHARDED_FLAG,

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from fsdp_lite.core import ownership
-from fsdp_lite.core.api import MixedPrecision
 from fsdp_lite.core.flat_param import master_dtype
+from fsdp_lite.core.policies import MixedPrecision
 from fsdp_lite.core.tree import unit_of
 from fsdp_lite.core.wrap import Policy, deferred_ties, param_locations, unowned_parameters
 

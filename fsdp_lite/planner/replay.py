@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp_lite.core import reduce, schedule
-from fsdp_lite.core.api import PrefetchPolicy
+from fsdp_lite.core.policies import PrefetchPolicy
 from fsdp_lite.planner.layout import FlatLayout, UnitLayout
 from fsdp_lite.planner.storage import CATEGORIES, Mark
 from fsdp_lite.planner.trace import StepTrace

@@ -44,8 +44,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_lite.core.api import MixedPrecision
-from fsdp_lite.core.nested import cast_floats, in_backward, tensors_in
+from fsdp_lite.core.nested import cast_floats, tensors_in
+from fsdp_lite.core.policies import MixedPrecision
+from fsdp_lite.core.state import in_backward
 from fsdp_lite.planner.layout import FlatLayout, UnitLayout
 from fsdp_lite.planner.storage import (
     ACTIVATIONS,

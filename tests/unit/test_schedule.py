@@ -7,7 +7,7 @@ import torch
 
 import fsdp_lite
 from fsdp_lite.core import schedule
-from fsdp_lite.core.api import PrefetchPolicy
+from fsdp_lite.core.policies import PrefetchPolicy
 from fsdp_lite.testing import GPT, GPTConfig
 from fsdp_lite.testing.models import Block
 
