@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -70,6 +70,24 @@ from fsdp_lite.core.reduce import PendingGrad
 from fsdp_lite.core.state import TrainingState, check_state
 
 _BACKWARD_STATES = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+
+
+class TreeRoot(Protocol):
+    """What the root of a unit's tree (``root.Root``, which imports this file) offers to
+    those who reach it through the unit: the hooks, ``FSDPModule``."""
+
+    units: list[Unit]  # every unit in the tree, the root's own first
+    replicas: Any  # the tree's ignored parameters (``ignored.Replicas``)
+
+    def post_forward(self, unit: Unit, output: Any) -> None: ...
+
+    def post_backward(self, unit: Unit, flat: FlatParam) -> None: ...
+
+    def release(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def rebuild_schedule(self) -> None: ...
 
 
 class Unit:
@@ -107,9 +125,9 @@ class Unit:
         # accumulating forward (None: nothing kept): the next micro-batch reuses them only
         # if the shards did not change since (a load, an optimizer step).
         self.kept_stamp: tuple[int, ...] | None = None
-        # The Root (root.py) that runs this unit's step, set at its first forward; only
-        # root.py reads it (from the hooks), the unit itself never calls it.
-        self.root: Any = None
+        # The Root (root.py) that runs this unit's step, set at its first forward; the
+        # unit itself never calls it.
+        self.root: TreeRoot | None = None
         self.is_root = False  # the unit its root was made for
         self.name = type(module).__name__  # the module path, from the root's making on
         self.frozen_early = False  # frozen flat params freed in backward (see Note)
