@@ -49,7 +49,7 @@ test-torch-min:
 GPU_PYTHON ?= python3
 .PHONY: gpu-check
 gpu-check:
-	PYTHONPATH=. $(GPU_PYTHON) scripts/gpu_check.py $(ARGS)
+	PYTHONPATH=. $(GPU_PYTHON) tests/gpu/gpu_check.py $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check fsdp_lite tests scripts

@@ -17,7 +17,7 @@ def _gpu_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess,
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("OUT", None)
     proc = subprocess.run(
-        [sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", str(out), *args],
+        [sys.executable, "tests/gpu/gpu_check.py", "--dry-run", "--out", str(out), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     return proc, out.read_text() if out.exists() else ""
@@ -38,7 +38,7 @@ def test_dry_run_writes_every_part_and_the_verdict(tmp_path: Path) -> None:
 def test_a_part_past_its_share_is_stopped_and_fails(monkeypatch) -> None:
     import io
 
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "gpu"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     import gpu_check
 

@@ -1,7 +1,7 @@
 """The CUDA tier's one-process checks (``pytest -m cuda``; skipped without CUDA): a unit
 on the device trains like a reference on the same device, in fp32 and bf16, with and
 without CPU offload (pinned host shards), and its full state dict comes back on the CPU.
-The multi-rank and NCCL checks are ``make gpu-check``'s (scripts/gpu_check.py)."""
+The multi-rank and NCCL checks are ``make gpu-check``'s (tests/gpu/gpu_check.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """make gpu-check: the CUDA/NCCL paths on one GPU, in one command, under 8 minutes.
 
-    PYTHONPATH=. python3 scripts/gpu_check.py [--out gpu_check.md] [--dry-run]
+    PYTHONPATH=. python3 tests/gpu/gpu_check.py [--out gpu_check.md] [--dry-run]
         [--parts tier,w1,w2,fake8,syncs,bench,compile] [--budget 450]
 
 Made for the lent GPU machine (one H100/H200, its python3 with torch 2.11, no pip). Parts:
@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("tier", "w1", "w2", "fake8", "syncs", "bench", "compile")
 # Share of the budget each part may take (the bench and the tier are the long ones).
 SHARES = {"tier": 0.1, "w1": 0.15, "w2": 0.1, "fake8": 0.1, "syncs": 0.05, "bench": 0.3,
@@ -109,7 +109,7 @@ def _header(args: argparse.Namespace) -> str:
     return (
         f"# gpu-check\n\n{now}"
         f", {device}, torch {torch.__version__}, CUDA {torch.version.cuda}, commit {commit or '?'}"
-        f"\n\n    PYTHONPATH=. python3 scripts/gpu_check.py --parts {args.parts}"
+        f"\n\n    PYTHONPATH=. python3 tests/gpu/gpu_check.py --parts {args.parts}"
         f" --budget {args.budget:.0f}{' --dry-run' if args.dry_run else ''}\n"
     )
 
