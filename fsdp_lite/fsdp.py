@@ -278,7 +278,7 @@ class FSDPModule(nn.Module):
         ``no_sync``) until set ``True``; the next backward then reduce-scatters the sum.
         ``recurse``: every unit of this module's tree, else this unit only. Between steps or
         micro-batches."""
-        for unit in self._units_to_set(recurse, "set_requires_gradient_sync"):
+        for unit in self._idle_units(recurse, "set_requires_gradient_sync"):
             unit.sync_grads = bool(requires_gradient_sync)
 
     def set_reshard_after_backward(
@@ -291,18 +291,18 @@ class FSDPModule(nn.Module):
         parameters at once. Kept parameters are gathered again if the shards changed (an
         optimizer step or a load between micro-batches). See ``docs/how-a-step-works.md``.
         """
-        for unit in self._units_to_set(recurse, "set_reshard_after_backward"):
+        for unit in self._idle_units(recurse, "set_reshard_after_backward"):
             unit.reshard_after_backward = bool(reshard_after_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """FSDP2's: the ``reshard_after_forward`` argument, changed between steps."""
-        units = self._units_to_set(recurse, "set_reshard_after_forward")
+        units = self._idle_units(recurse, "set_reshard_after_forward")
         for unit in units:
             unit.reshard_after_forward = bool(reshard_after_forward)
         for owner in {id(u.root): u.root for u in units if u.root is not None}.values():
             owner.rebuild_schedule()
 
-    def _units_to_set(self, recurse: bool, doing: str) -> list[Unit]:
+    def _idle_units(self, recurse: bool, doing: str) -> list[Unit]:
         """The units of this tree (``recurse``) or this one, each checked IDLE: ``doing``
         is refused inside a forward or backward."""
         units = self._tree_units() if recurse else [self._unit]
@@ -320,7 +320,7 @@ class FSDPModule(nn.Module):
         the new group is then a split of the world's communicator, a collective over every
         rank of it. ``False`` goes back to the shared group. (As FSDP2's method of the same
         name; whether it pays on a GPU is unmeasured.)"""
-        for unit in self._units_to_set(True, "change its groups"):
+        for unit in self._idle_units(True, "change its groups"):
             for flat in unit.flat_params:
                 separate = enable and flat.world_size > 1
                 flat.reduce_group = (
@@ -348,7 +348,7 @@ class FSDPModule(nn.Module):
         optimizer.step()``, a sync of its own). ``error_if_nonfinite`` reads the norm on
         the host (a sync) and raises naming the units with non-finite grads.
         """
-        units = self._units_to_set(True, "clip_grad_norm_")
+        units = self._idle_units(True, "clip_grad_norm_")
         grads = [g for u in units for f in u.flat_params for g in f.grads()]
         whole = self._ignored_grads()
         total = total_norm(grads, float(norm_type), self.device, self.process_group, whole)
