@@ -28,6 +28,7 @@ from fsdp_lite.core.tree import SHARDED_FLAG, UNIT_ATTR, named_as_unwrapped, uni
 from fsdp_lite.core.unit import Unit
 from fsdp_lite.core.unit_init import (
     build_flat_params,
+    check_dtensors,
     check_wrappable,
     install_fp32_modules,
     prepare_buffers,
@@ -173,6 +174,7 @@ class FSDPModule(nn.Module):
         # Parameters are sharded over process_group; with hybrid sharding the shard grads
         # are then averaged over replicate_group (None otherwise).
         process_group, replicate_group = collectives.resolve_groups(o.process_group)
+        check_dtensors(module, skip, [process_group, replicate_group])
         device = devices.default_device(o.device)
         # The global rank: shard-group ranks repeat across replicas (hybrid sharding), and
         # an SSD directory named by one would be shared by two nodes' ranks.
@@ -349,9 +351,15 @@ class FSDPModule(nn.Module):
         the host (a sync) and raises naming the units with non-finite grads.
         """
         units = self._idle_units(True, "clip_grad_norm_")
-        grads = [g for u in units for f in u.flat_params for g in f.grads()]
+        flats = [f for u in units for f in u.flat_params]
+        grads = [g for f in flats for g in f.grads()]
+        # DTensor parameters' pieces are counted over their mesh too (grads.total_norm)
+        pieces = [piece for f in flats if f.has_layouts for piece in f.layout_grads()]
+        plain = [g for f in flats if not f.has_layouts for g in f.grads()]
+        plain += [g for g, layout in pieces if layout is None]
+        spread = [(g, layout) for g, layout in pieces if layout is not None]
         whole = self._ignored_grads()
-        total = total_norm(grads, float(norm_type), self.device, self.process_group, whole)
+        total = total_norm(plain, float(norm_type), self.device, self.process_group, whole, spread)
         if error_if_nonfinite and not torch.isfinite(total):
             bad = nonfinite_units(units, self.device, self.process_group)
             raise RuntimeError(

@@ -192,7 +192,7 @@ def expected_shapes(root: nn.Module) -> dict[str, torch.Size]:
     for flat in flat_params(root):
         for slot in flat.slots:
             for module, attr in slot.locations:
-                shapes[(id(module), attr)] = slot.shape
+                shapes[(id(module), attr)] = slot.full_shape
     out: dict[str, torch.Size] = {}
     for prefix, module in clean_named_modules(root):
         pre = f"{prefix}." if prefix else ""
@@ -218,9 +218,10 @@ def _gather_slots(flats: list[FlatParam], grads: bool, keep: bool) -> dict[Locat
             grad = flat.grad_as_shard()
             source = grad if grad is not None else torch.zeros_like(source)
         full = flat.gather_fp32(source)  # (numel,): the only full copy on this rank
-        if keep:
-            for slot in flat.slots:
-                piece = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        for slot in flat.slots:
+            # A DTensor's whole value is gathered over its mesh on every rank (collective)
+            piece = slot.whole_value(full[slot.offset : slot.offset + slot.numel])
+            if keep:
                 tensor = piece.to("cpu", copy=True)
                 for module, attr in slot.locations:
                     values[(id(module), attr)] = tensor
@@ -347,6 +348,13 @@ def load_full_state_dict(
     the same error on a mismatch), then each flat param and buffer is broadcast in turn.
     """
     units = check_idle(root, "load a state dict")
+    if rank0_only and any(s.layout is not None for f in flat_params(root) for s in f.slots):
+        raise NotImplementedError(
+            "load_state_dict(rank0_only=True) of a model with DTensor parameters (tensor, "
+            "sequence or expert parallel): every rank of the TP mesh needs the values. Pass "
+            "the same full state dict on every rank (rank0_only=False), or use "
+            "fsdp_lite.load_checkpoint"
+        )
     is_source = not rank0_only or is_rank0(root)
     shapes: Any = {}
     if is_source:
@@ -367,7 +375,9 @@ def load_full_state_dict(
             found = {i: k for i, k in found.items() if k is not None}
             if not found:
                 continue
-            values = {i: sd[k] for i, k in found.items()} if is_source else {}
+            values = {}
+            if is_source:  # a DTensor parameter's local part of the whole value
+                values = {i: flat.slots[i].local_value(sd[k]) for i, k in found.items()}
             if rank0_only:
                 values = broadcast_slots(root, flat, values, list(found), flat.shard.dtype)
             write_shard(flat.shard, flat, values)

@@ -19,6 +19,7 @@ from torch import nn
 
 from fsdp_lite.addons.state_dict import is_rank0, write_shard
 from fsdp_lite.core import collectives
+from fsdp_lite.core.dtensors import local_tensor
 from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.state import TrainingState, check_state
 from fsdp_lite.core.tree import unit_of
@@ -112,10 +113,11 @@ def _install_full(
         full_grad = None if full_grad is None else full_grad.to("cpu", copy=True)
     saved: _Saved = []
     for slot in flat.slots:
-        value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        # A DTensor parameter is summoned as a DTensor over its own local tensor
+        value = slot.as_module_sees(full[slot.offset : slot.offset + slot.numel])
         param = nn.Parameter(value, requires_grad=flat.requires_grad)
         if full_grad is not None:
-            param.grad = full_grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            param.grad = slot.as_module_sees(full_grad[slot.offset : slot.offset + slot.numel])
         for module, attr in slot.locations:
             saved.append((module, attr, module.__dict__.pop(attr, None)))
             module._parameters[attr] = param  # a tie: one Parameter at every location
@@ -148,7 +150,7 @@ def _write_back(flat: FlatParam) -> None:
     values = {}
     for i, slot in enumerate(flat.slots):
         module, attr = slot.locations[0]
-        value = getattr(module, attr)
+        value = local_tensor(getattr(module, attr))
         if tuple(value.shape) != tuple(slot.shape):
             raise RuntimeError(
                 f"summon_full_params(writeback=True): parameter '{slot.name}' has shape "

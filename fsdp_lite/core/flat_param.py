@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fsdp_lite.core import accounting, collectives
+from fsdp_lite.core.dtensors import Layout, local_tensor
 from fsdp_lite.core.freed import FreedParameter, between_steps_message, freed_parameter
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.optim_view import OrigParams, mark_shard
@@ -35,9 +36,32 @@ class ParamSlot:
 
     locations: list[tuple[nn.Module, str]]  # every (module, attribute) it was registered at
     name: str  # a readable name, for errors
-    shape: torch.Size
+    shape: torch.Size  # a DTensor's local shape
     numel: int
     offset: int  # into the unpadded flat param
+    # A DTensor parameter's placements on its (non-dp) mesh; None for a plain tensor.
+    layout: Layout | None = None
+
+    @property
+    def full_shape(self) -> torch.Size:
+        """The parameter's shape in the unwrapped model (a DTensor's global shape)."""
+        return self.shape if self.layout is None else self.layout.shape
+
+    def as_module_sees(self, piece: torch.Tensor) -> torch.Tensor:
+        """``piece`` (this slot's elements of the full buffer) as the module's parameter:
+        a view of the slot's shape, rebuilt as a DTensor on its mesh where it was one."""
+        view = piece.view(self.shape)
+        return view if self.layout is None else self.layout.wrap(view)
+
+    def whole_value(self, local: torch.Tensor) -> torch.Tensor:
+        """The unwrapped model's value from this slot's ``local`` value (a DTensor's local
+        tensor: collective over its mesh)."""
+        local = local.view(self.shape)
+        return local if self.layout is None else self.layout.full_value(local)
+
+    def local_value(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the unwrapped model's value ``whole`` (no communication)."""
+        return whole if self.layout is None else self.layout.local_part(whole)
 
 
 class FlatParam:
@@ -254,7 +278,7 @@ class FlatParam:
         sizes = [slot.numel for slot in self.slots] + [self.padded_numel - self.numel]
         pieces = torch.split(self.full, sizes)
         self.views = [
-            piece.view(slot.shape) for slot, piece in zip(self.slots, pieces, strict=False)
+            slot.as_module_sees(piece) for slot, piece in zip(self.slots, pieces, strict=False)
         ]
         self._install(self.views)
 
@@ -358,6 +382,19 @@ class FlatParam:
             return self.shard.grad
         return self.orig_params.grad_as_shard()
 
+    @property
+    def has_layouts(self) -> bool:
+        """Some slot is a DTensor parameter (``dtensors.py``)."""
+        return any(slot.layout is not None for slot in self.slots)
+
+    def layout_grads(self) -> list[tuple[torch.Tensor, Layout | None]]:
+        """With DTensor slots, this rank's shard grad cut by slot, each with its slot's
+        layout (None: a plain parameter), for a norm that counts each element once."""
+        grad = self.grad_as_shard() if self.has_layouts else None
+        if grad is None:
+            return []
+        return [(grad[at : at + hi - lo], self.slots[i].layout) for i, lo, hi, at in self.pieces()]
+
     def link_orig_grads(self) -> None:
         """End of backward: the optimizer's parameters see the new shard grad."""
         if self.orig_params is not None:
@@ -409,14 +446,14 @@ def _build_shard(
     if sync:  # sync_module_states: every rank starts from rank 0's values
         full = torch.zeros(flat.padded_numel, dtype=dtype, device=device)
         for slot, p in zip(flat.slots, originals, strict=True):
-            full[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            full[slot.offset : slot.offset + slot.numel].copy_(local_tensor(p).reshape(-1))
         collectives.broadcast_from_first(full, [flat.replicate_group, flat.group])
         return full[start:end].clone()
     shard = torch.zeros(flat.shard_numel, dtype=dtype, device=device)
     for slot, p in zip(flat.slots, originals, strict=True):
         lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
         if lo < hi:
-            piece = p.detach().reshape(-1)[lo - slot.offset : hi - slot.offset]
+            piece = local_tensor(p).reshape(-1)[lo - slot.offset : hi - slot.offset]
             shard[lo - start : hi - start].copy_(piece)
     return shard
 

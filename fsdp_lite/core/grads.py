@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_lite.core import collectives
+from fsdp_lite.core.dtensors import Layout
 
 if TYPE_CHECKING:
     from fsdp_lite.core.unit import Unit
@@ -19,17 +20,40 @@ def total_norm(
     device: torch.device,
     group: collectives.ProcessGroup,
     whole: Sequence[torch.Tensor] = (),
+    spread: Sequence[tuple[torch.Tensor, Layout]] = (),
 ) -> torch.Tensor:
-    """The ``p``-norm of ``grads`` over every rank's shards (an all-reduce) and of ``whole``
-    (gradients equal on every rank, counted once: ignored parameters'): one multi-tensor
-    norm per device the grads are on (fp32), combined in fp32 on ``device``. A NaN on any
-    rank makes the result non-finite on every rank (``all_reduce``'s max keeps it)."""
-    total = _local(grads, p, device)
-    collectives.all_reduce(total, group, op="max" if p == float("inf") else "sum")
+    """The ``p``-norm of ``grads`` over every rank's shards (an all-reduce over ``group``),
+    of ``whole`` (gradients equal on every rank, counted once: ignored parameters') and of
+    ``spread`` (pieces of DTensor parameters' local gradients: summed over their mesh too,
+    each element once however many ranks of the mesh hold it): one multi-tensor norm per
+    device the grads are on (fp32), combined in fp32 on ``device``. A NaN on any rank
+    makes the result non-finite on every rank (``all_reduce``'s max keeps it)."""
+    inf = p == float("inf")
+    op = "max" if inf else "sum"
+    by_mesh: dict[object, dict[int, list[torch.Tensor]]] = {}
+    groups: dict[object, list[collectives.ProcessGroup]] = {}  # mesh -> its dims' groups
+    for g, layout in spread:
+        by_mesh.setdefault(layout.mesh, {}).setdefault(layout.copies, []).append(g)
+        groups.setdefault(layout.mesh, layout.dim_groups())
+    parts = [_local(grads, p, device)]
+    for weights in by_mesh.values():  # each element counted once over the mesh
+        each = [_local(gs, p, device) / (1 if inf else copies) for copies, gs in weights.items()]
+        parts.append(torch.stack(each).max() if inf else torch.stack(each).sum())
+    total = torch.stack(parts)
+    collectives.all_reduce(total, group, op=op)
+    if by_mesh:
+        meshes = [total[:1]]
+        for k, dim_groups in enumerate(groups.values(), start=1):
+            part = total[k : k + 1].clone()
+            for dim_group in dim_groups:
+                collectives.all_reduce(part, dim_group, op=op)
+            meshes.append(part)
+        total = torch.cat(meshes)
+    total = total.max() if inf else total.sum()
     if whole:
         total = torch.stack([total, _local(list(whole), p, device)])
-        total = total.max() if p == float("inf") else total.sum()
-    return total if p == float("inf") else total ** (1.0 / p)
+        total = total.max() if inf else total.sum()
+    return total if inf else total ** (1.0 / p)
 
 
 def _local(grads: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:

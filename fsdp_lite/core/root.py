@@ -45,7 +45,11 @@ from fsdp_lite.core.reduce import PendingGrad
 from fsdp_lite.core.state import TrainingState, in_backward
 from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of, units_of, unwrap
 from fsdp_lite.core.unit import Unit, outside_inference_mode
-from fsdp_lite.core.unit_init import check_initialized, check_replicas_agree
+from fsdp_lite.core.unit_init import (
+    check_initialized,
+    check_parallelized_before,
+    check_replicas_agree,
+)
 
 
 def register_hooks(unit: Unit) -> None:
@@ -106,6 +110,7 @@ class Root:
             path = names.get(id(unwrap(u.module)), "")
             u.set_name(path or f"<root {type(u.module).__name__}>")
         for u in units:  # each raises on every rank alike; the next forward checks again
+            check_parallelized_before(u)
             check_replicas_agree(u)
             check_initialized(u)
         # The ignored parameters of the tree, whose gradients this root averages (ignored.py).

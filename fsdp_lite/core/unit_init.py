@@ -7,7 +7,14 @@ import weakref
 import torch
 from torch import nn
 
-from fsdp_lite.core import collectives, deferred_init, optim_view, optimizer_check, ownership
+from fsdp_lite.core import (
+    collectives,
+    deferred_init,
+    dtensors,
+    optim_view,
+    optimizer_check,
+    ownership,
+)
 from fsdp_lite.core.flat_param import FlatParam, ParamSlot, master_dtype
 from fsdp_lite.core.nested import cast_floats
 from fsdp_lite.core.policies import MixedPrecision, PrefetchPolicy
@@ -183,7 +190,8 @@ def build_flat_params(
                 )
             slot_of[id(p)].locations.append((sub, attr))
             continue
-        slot = ParamSlot([(sub, attr)], name, p.shape, p.numel(), 0)
+        local = dtensors.local_tensor(p)  # a DTensor's (dtensors.py), else p
+        slot = ParamSlot([(sub, attr)], name, local.shape, local.numel(), 0, dtensors.layout_of(p))
         slot_of[id(p)] = slot
         groups.setdefault(key, []).append((slot, p))
         key_of[id(p)] = key
@@ -252,6 +260,33 @@ def check_initialized(unit: Unit) -> None:
     )
 
 
+def check_parallelized_before(unit: Unit) -> None:
+    """At the first forward: refuse a tensor-parallel plan applied after wrapping. Its
+    ``parallelize_module`` found no parameters at the unit's modules (they hold placeholders
+    between steps) and only hooked their inputs and outputs, so the module would compute
+    plain full weights with sharded activations. Local facts, equal on every rank."""
+    for flat in unit.flat_params:
+        for slot in flat.slots:
+            if slot.layout is not None:
+                continue
+            for module, _ in slot.locations:
+                hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+                if any(_from_dtensor_api(h) for h in hooks):
+                    raise ValueError(
+                        f"fsdp_lite: module {type(module).__name__} of unit '{unit.name}' "
+                        f"carries tensor-parallel hooks but its parameter '{slot.name}' is "
+                        "a plain tensor: parallelize_module (or distribute_module) ran after "
+                        "FSDPModule wrapped it, when its parameters were already flattened. "
+                        "Apply the TP plan first, then wrap: parallelize_module(model, "
+                        "world['tp'], plan); FSDPModule(model, mesh=world['dp'])"
+                    )
+
+
+def _from_dtensor_api(hook: object) -> bool:
+    module = getattr(getattr(hook, "func", hook), "__module__", None) or ""
+    return module.startswith("torch.distributed.tensor")
+
+
 def prepare_buffers(unit: Unit, module: nn.Module, sync: bool) -> None:
     """Move this unit's buffers to its device, optionally sync them from rank 0, and cast
     them to ``buffer_dtype`` (fp32 modules keep theirs); remember original dtypes."""
@@ -306,7 +341,6 @@ def check_wrappable(
         raise TypeError(
             f"offload must be fsdp_lite.CPUOffload, SSDOffload or None, got {offload!r}"
         )
-    _refuse_dtensors(module, ignored)
     devices = {
         str(p.device)
         for p in module.parameters()
@@ -320,20 +354,16 @@ def check_wrappable(
         )
 
 
-def _refuse_dtensors(module: nn.Module, ignored: frozenset[int]) -> None:
-    """DTensor parameters (tensor, sequence or expert parallel on other mesh dims) cannot
-    be flattened yet: refused before anything changes, on every rank alike."""
-    from torch.distributed.tensor import DTensor
-
+def check_dtensors(
+    module: nn.Module, ignored: frozenset[int], groups: list[collectives.ProcessGroup | None]
+) -> None:
+    """DTensor parameters (tensor, sequence or expert parallel) must lie on mesh dims apart
+    from the data-parallel ``groups``: refused otherwise, before anything changes."""
+    dp = [g for g in groups if g is not None]
     for name, p in module.named_parameters():
-        if isinstance(p, DTensor) and id(p) not in ignored:
-            raise NotImplementedError(
-                f"fsdp_lite: parameter '{name}' is a DTensor (mesh {p.device_mesh}, "
-                f"placements {p.placements}): fsdp_lite does not yet compose with tensor, "
-                "sequence or expert parallelism. Shard such a model with torch's "
-                "fully_shard(module, mesh=dp_mesh), or wrap it with fsdp_lite without "
-                "parallelize_module"
-            )
+        layout = dtensors.layout_of(p)
+        if layout is not None and id(p) not in ignored:
+            dtensors.check_layout(name, layout, dp)
 
 
 def install_fp32_modules(module: nn.Module, mp: MixedPrecision | None) -> None:

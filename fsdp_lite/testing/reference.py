@@ -93,6 +93,9 @@ class Run:
     # The optimizers of a model (called for the wrapped model and for the reference, so
     # per-parameter groups built from named_parameters() must agree); default: one AdamW.
     optimizers: Callable[[nn.Module], list[torch.optim.Optimizer]] | None = None
+    # (this rank's slice, number of slices) of the global batch: under tensor parallelism
+    # the dp coordinate (the ranks of a TP group share a slice). None: (rank, world).
+    data_slice: Callable[[], tuple[int, int]] | None = None
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -142,7 +145,7 @@ def compare_runs(runs: list[Run]) -> dict[str, str | None]:
 
 def compare_training(run: Run) -> None:
     """Train FSDP beside the reference; raise AssertionError naming the run on a mismatch."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = run.data_slice() if run.data_slice else (dist.get_rank(), dist.get_world_size())
     torch.manual_seed(1234)
     ref = run.make_model()
     if run.device is not None:

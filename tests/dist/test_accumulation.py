@@ -76,9 +76,7 @@ def _accumulate(
             mine.backward()
             got += mean_over_ranks(mine)
         collectives = fsdp_lite.stats()["collectives"]
-        counts.append(
-            (collectives["all_gather"]["calls"], collectives["reduce_scatter"]["calls"])
-        )
+        counts.append((collectives["all_gather"]["calls"], collectives["reduce_scatter"]["calls"]))
         for o in (ref_opt, opt):
             o.step()
             o.zero_grad()
@@ -144,7 +142,7 @@ def _load_between_gathers_again() -> None:
     def between(m: nn.Module, i: int) -> None:
         if i == 2:
             with torch.no_grad():
-                for p in (m.parameters() if not isinstance(m, fsdp_lite.FSDPModule) else ()):
+                for p in m.parameters() if not isinstance(m, fsdp_lite.FSDPModule) else ():
                     p.mul_(0.5)
             if isinstance(m, fsdp_lite.FSDPModule):
                 sd = {k: v * 0.5 for k, v in m.state_dict().items()}
@@ -161,7 +159,10 @@ def _cases(rank: int, world: int) -> dict[str, str | None]:
             ("flat, pieces, whole; reshard_after_forward False", _layouts),
             ("frozen base (LoRA-like)", _frozen_base),
             ("activation checkpointing", _checkpointed),
-            ("validation forward and checkpoint save between micro-batches", _validation_and_save_between),
+            (
+                "validation forward and checkpoint save between micro-batches",
+                _validation_and_save_between,
+            ),
             ("a load between micro-batches: gathered again", _load_between_gathers_again),
         ]
     )

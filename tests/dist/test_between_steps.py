@@ -125,7 +125,9 @@ def _validation_forward_before_step(
             assert_close_loss(f"step {step} loss", mean_over_ranks(got), want.item(), tol.loss_rtol)
             want = gpt_loss(ref, val)  # grad enabled, no backward
             got = gpt_loss(model, local_part(val, rank, world))
-            assert_close_loss(f"step {step} validation loss", mean_over_ranks(got), want.item(), tol.loss_rtol)
+            assert_close_loss(
+                f"step {step} validation loss", mean_over_ranks(got), want.item(), tol.loss_rtol
+            )
             if by_hand:
                 _sgd_through_data(ref), _sgd_through_data(model)
             else:
@@ -298,7 +300,10 @@ def _cases(rank: int, world: int) -> dict:
         ("requires_grad changed after wrapping: followed", _freeze_after_wrapping),
         ("chunked loss through the root's head (tied)", _chunked_head(True)),
         ("chunked loss through the root's head (untied)", _chunked_head(False)),
-        ("a head gradient never reduced: refused at the next forward", _head_gradient_never_reduced),
+        (
+            "a head gradient never reduced: refused at the next forward",
+            _head_gradient_never_reduced,
+        ),
     ]
     return run_subtests(cases)
 

@@ -131,7 +131,9 @@ def _cases(rank: int, world: int) -> dict:
             (f"replica fingerprints see a NaN on one rank ({semantics} max)",
              functools.partial(_fingerprints_see_a_nan, semantics)),
         ]  # fmt: skip
-    cases.append(("CPU offload: copies per clip independent of flat params", _offload_copies_per_clip))
+    cases.append(
+        ("CPU offload: copies per clip independent of flat params", _offload_copies_per_clip)
+    )
     return run_subtests(cases)
 
 

@@ -112,7 +112,9 @@ def _fsdp_lite_resumes(rank: int, world: int, tmp: str) -> None:
     for layout in ("flat shards", "whole params"):
         for saved in ("fsdp2", "torchtitan"):
             torch.manual_seed(rank + 7)  # nothing of this init survives the load
-            model = wrap_blocks(gpt(), optimizer_params="whole" if layout == "whole params" else None)
+            model = wrap_blocks(
+                gpt(), optimizer_params="whole" if layout == "whole params" else None
+            )
             opt = _adamw(model)
             extra = fsdp_lite.load_checkpoint(os.path.join(tmp, saved), model, opt)
             assert extra == {}, extra

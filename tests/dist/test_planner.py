@@ -223,7 +223,9 @@ def _plan_row(world: int) -> dict:
     return _row(name, chosen.estimate, rec.peak_bytes, budget=budget)
 
 
-def _row(name: str, est: fsdp_lite.planner.estimate.MemoryEstimate, measured: int, **extra: object) -> dict:
+def _row(
+    name: str, est: fsdp_lite.planner.estimate.MemoryEstimate, measured: int, **extra: object
+) -> dict:
     return {
         "name": name,
         "estimate": est.peak_bytes,

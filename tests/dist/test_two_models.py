@@ -77,7 +77,9 @@ def _policy_and_reference() -> None:
     policy = wrap_blocks(copy.deepcopy(refs[0]), optimizer_params="whole")
     bounds = [f.bounds for u in units_of(policy) for f in u.flat_params]
     other_group = dist.new_group(list(range(world)))
-    reference = wrap_blocks(copy.deepcopy(refs[1]), optimizer_params="whole", process_group=other_group)
+    reference = wrap_blocks(
+        copy.deepcopy(refs[1]), optimizer_params="whole", process_group=other_group
+    )
     assert [f.bounds for u in units_of(policy) for f in u.flat_params] == bounds
     models = [policy, reference]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
@@ -90,7 +92,9 @@ def _policy_and_reference() -> None:
             want = gpt_loss(ref, batch)
             got = gpt_loss(model, local_part(batch, rank, world))
             want.backward(), got.backward()
-            assert_close_loss(f"step {step} model {i} loss", mean_over_ranks(got), want.item(), 1e-5)
+            assert_close_loss(
+                f"step {step} model {i} loss", mean_over_ranks(got), want.item(), 1e-5
+            )
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
     _same_params(policy, refs[0], "policy")
