@@ -38,7 +38,7 @@ import functools
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,7 +66,7 @@ from fsdp_lite.addons.state_dict import (
     validate_keys,
 )
 from fsdp_lite.core import collectives
-from fsdp_lite.core.flat_param import FlatParam
+from fsdp_lite.core.flat_param import FlatParam, ParamSlot, even_bounds
 from fsdp_lite.core.tree import units_of
 
 FORMAT = 2
@@ -105,26 +105,77 @@ def _sharded_tensor(
 ) -> ShardedTensor:
     """Slot ``i`` of ``flat`` as a ShardedTensor whose local shards view ``local`` (no
     communication: every rank computes every rank's boxes), on ``device`` (default: the
-    shard's)."""
+    shard's). A DTensor parameter's boxes are laid out in its global tensor: those of every
+    coordinate of its mesh (``_boxes_at``), so that the metadata covers the whole tensor."""
     slot, device = flat.slots[i], device or flat.shard.device
     ranks = collectives.global_ranks(flat.group)
+    coordinates = [None] if slot.layout is None else slot.layout.coordinates()
     metas, shards = [], []
-    first, last = flat.owner(slot.offset), flat.owner(slot.offset + slot.numel - 1)
-    for q in range(first, last + 1):
-        start, end = flat.rank_range(q)
-        lo = max(start, slot.offset) - slot.offset
-        hi = min(end, slot.offset + slot.numel) - slot.offset
-        at = slot.offset + lo - start  # where element lo sits in rank q's shard
-        for offsets, sizes, index in boxes(tuple(slot.shape), lo, hi):
-            md = ShardMetadata(list(offsets), list(sizes), f"rank:{ranks[q]}/{device}")
+    for coordinate in coordinates:
+        for q, offsets, sizes, at, mine in _boxes_at(flat, i, coordinate):
+            # Only this rank's own entries are read: others name a rank of the world
+            # holding the same dp shard (q) or the same coordinate, never this one.
+            owner = ranks[q] if mine or coordinate is None else _rank_at(slot, coordinate)
+            md = ShardMetadata(list(offsets), list(sizes), f"rank:{owner}/{device}")
             metas.append(md)
-            if q == flat.rank:
-                shards.append(Shard(local(at + index - lo, math.prod(sizes)).view(sizes), md))
+            if mine and q == flat.rank:
+                shards.append(Shard(local(at, math.prod(sizes)).view(sizes), md))
     props = TensorProperties(dtype=dtype, requires_grad=False)
-    meta = ShardedTensorMetadata(metas, torch.Size(slot.shape), props)
+    meta = ShardedTensorMetadata(metas, torch.Size(slot.full_shape), props)
+    group = flat.group if slot.layout is None else None  # the world: every rank named
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, meta, process_group=flat.group
+        shards, meta, process_group=group
     )
+
+
+def _boxes_at(flat: FlatParam, i: int, coordinate: tuple[int, ...] | None) -> Iterator[tuple]:
+    """``(dp rank q, global offsets, sizes, where in q's shard, is this coordinate's)`` for
+    every box of slot ``i`` that dp rank ``q`` holds, at ``coordinate`` of the slot's mesh
+    (None: a plain slot, laid out as this rank's flat param is)."""
+    slot = flat.slots[i]
+    if coordinate is None:
+        offsets, bounds, part = [s.offset for s in flat.slots], flat.bounds, None
+    else:  # the flat param of the ranks at that coordinate: local sizes differ (uneven TP)
+        if flat.whole:
+            raise NotImplementedError(
+                "a checkpoint of whole-parameter shards (optimizer_params='whole') holding "
+                "DTensor parameters: use optimizer_params='flat' or 'pieces' with TP"
+            )
+        numels = [_numel_at(s, slot, coordinate) for s in flat.slots]
+        offsets = [sum(numels[:j]) for j in range(len(numels))]
+        bounds = even_bounds(sum(numels), flat.world_size)
+        part = slot.layout.part_at(coordinate)
+    numel = slot.numel if part is None else part.numel
+    shape = tuple(slot.shape) if part is None else part.shape
+    for q in range(flat.world_size):
+        lo = max(bounds[q], offsets[i]) - offsets[i]
+        hi = min(bounds[q + 1], offsets[i] + numel) - offsets[i]
+        at = offsets[i] + lo - bounds[q]  # where element lo sits in rank q's shard
+        for box_offsets, sizes, index in boxes(shape, lo, hi):
+            pieces = (
+                [(box_offsets, sizes, index)]
+                if part is None
+                else part.to_global(box_offsets, sizes)
+            )
+            for where, size, local_index in pieces:
+                yield q, where, size, at + local_index - lo, part is None or part.mine
+
+
+def _numel_at(s: ParamSlot, slot: ParamSlot, coordinate: tuple[int, ...]) -> int:
+    """Slot ``s``'s local numel on the ranks at ``coordinate`` of ``slot``'s mesh."""
+    if s.layout is None:
+        return s.numel
+    if s.layout.mesh != slot.layout.mesh:
+        raise NotImplementedError(
+            f"a checkpoint of a unit whose DTensor parameters lie on different meshes "
+            f"('{s.name}', '{slot.name}'): wrap the parameters of each mesh in their own unit"
+        )
+    return s.layout.part_at(coordinate).numel
+
+
+def _rank_at(slot: ParamSlot, coordinate: tuple[int, ...]) -> int:
+    """The global rank at ``coordinate`` of the slot's mesh."""
+    return int(slot.layout.mesh.mesh[coordinate].item())
 
 
 def _whole(flat: FlatParam, i: int, local: Local, dtype: torch.dtype) -> torch.Tensor:
@@ -139,10 +190,21 @@ def _whole(flat: FlatParam, i: int, local: Local, dtype: torch.dtype) -> torch.T
     return value.view(slot.shape)
 
 
+def _is_small(slot: ParamSlot) -> bool:
+    """A 0-dim or empty parameter: saved whole (a plain tensor), not as boxes."""
+    small = len(slot.full_shape) == 0 or slot.full_shape.numel() == 0
+    if small and slot.layout is not None:
+        raise NotImplementedError(
+            f"a checkpoint of the 0-dim or empty DTensor parameter '{slot.name}': keep it a "
+            "plain tensor (leave it out of the TP plan)"
+        )
+    return small
+
+
 def _save_value(
     flat: FlatParam, i: int, local: Local, dtype: torch.dtype, device: torch.device | None = None
 ) -> Any:
-    if len(flat.slots[i].shape) == 0 or flat.slots[i].numel == 0:
+    if _is_small(flat.slots[i]):
         whole = _whole(flat, i, local, dtype)
         return whole if device is None else whole.to(device)
     return _sharded_tensor(flat, i, local, dtype, device)
@@ -153,7 +215,7 @@ def _load_dest(
 ) -> Any:
     """Where DCP should read slot ``i`` so that this rank's part lands in ``local``."""
     slot = flat.slots[i]
-    if len(slot.shape) and slot.numel:
+    if not _is_small(slot):
         return _sharded_tensor(flat, i, local, dtype)
     whole = torch.zeros(slot.shape, dtype=dtype, device=flat.shard.device)
 
@@ -272,12 +334,15 @@ def _prefix(k: int) -> str:
 
 
 def _checkpoint_group(model: nn.Module) -> collectives.ProcessGroup:
-    """The ranks that save and load together: the shard group or, with hybrid sharding,
-    every replica's ranks (each box is then written once, by one replica)."""
+    """The ranks that save and load together: the shard group or, with hybrid sharding or
+    DTensor parameters (tensor parallel on other mesh dims), the world (each box is then
+    written once, by one of the ranks holding it)."""
     replicate = getattr(model, "replicate_group", None)
+    world = collectives.resolve_group(None)
+    if any(slot.layout is not None for flat in flat_params(model) for slot in flat.slots):
+        return world
     if replicate is None:
         return model.process_group
-    world = collectives.resolve_group(None)
     sizes = collectives.world_size(model.process_group) * collectives.world_size(replicate)
     if sizes != collectives.world_size(world):
         raise CheckpointError(

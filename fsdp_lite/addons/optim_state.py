@@ -45,9 +45,10 @@ from fsdp_lite.addons.state_dict import (
     flat_params,
     is_rank0,
     param_names,
+    refuse_rank0_only_with_dtensors,
 )
 from fsdp_lite.core import collectives
-from fsdp_lite.core.flat_param import FlatParam
+from fsdp_lite.core.flat_param import FlatParam, ParamSlot
 
 OptimStateDict = dict[str, Any]
 
@@ -240,11 +241,13 @@ def full_optim_state_dict(
             local = _shard_state(flat, local_state(flat, key, entries), dtype)
             full = torch.empty(flat.padded_numel, dtype=dtype, device=local.device)
             collectives.all_gather_flat(full, local, flat.group, sizes=flat.rank_sizes)
-            for slot in flat.slots if keep else ():
+            for slot in flat.slots:
                 kind = ex.kinds.get(names[id(slot)], {}).get(key)
                 if kind is not None and kind[0] == "sharded":
-                    piece = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                    state.setdefault(names[id(slot)], {})[key] = piece.to("cpu", copy=True)
+                    # A DTensor's whole value is gathered over its mesh on every rank
+                    piece = slot.whole_value(full[slot.offset : slot.offset + slot.numel])
+                    if keep:
+                        state.setdefault(names[id(slot)], {})[key] = piece.to("cpu", copy=True)
             del full
     if not keep:
         return {}
@@ -272,6 +275,8 @@ def load_full_optim_state_dict(
     over all ranks. Load the model's parameters separately.
     """
     check_idle(root, "load an optimizer state dict")
+    if rank0_only:
+        refuse_rank0_only_with_dtensors(root, "load_optim_state_dict")
     entries = optimizer_entries(root, optimizer)
     is_source = not rank0_only or is_rank0(root)
     layout = _layout_or_error(osd) if is_source else None
@@ -297,8 +302,11 @@ def load_full_optim_state_dict(
     names = param_names(root)
     for flat in flat_params(root):
         for key, (dtype, present) in saved_sharded_keys(flat, names, kinds).items():
-            if is_source:
-                values = {i: osd["state"][names[id(flat.slots[i])]][key] for i in present}
+            if is_source:  # a DTensor parameter's local part of the whole value
+                values = {
+                    i: flat.slots[i].local_value(osd["state"][names[id(flat.slots[i])]][key])
+                    for i in present
+                }
             else:
                 values = {}
             if rank0_only:
@@ -317,7 +325,7 @@ def saved_sharded_keys(
     keys: dict[str, tuple[torch.dtype, list[int]]] = {}
     for i, slot in enumerate(flat.slots):
         for key, kind in kinds.get(names[id(slot)], {}).items():
-            if key != "step" and kind[0] == "tensor" and tuple(kind[1]) == tuple(slot.shape):
+            if key != "step" and kind[0] == "tensor" and tuple(kind[1]) == tuple(slot.full_shape):
                 keys.setdefault(key, (kind[2], []))[1].append(i)
     return dict(sorted(keys.items()))
 
@@ -409,13 +417,17 @@ def entry_state_keys(
     for key in saved[0]:
         per_slot = [s[key] for s in saved]
         for slot, name, kind in zip(slots, e.names, per_slot, strict=True):
-            if kind[0] == "tensor" and len(kind[1]) > 0 and tuple(kind[1]) != tuple(slot.shape):
+            if (
+                kind[0] == "tensor"
+                and len(kind[1]) > 0
+                and tuple(kind[1]) != tuple(slot.full_shape)
+            ):
                 raise RuntimeError(
                     f"optimizer state '{key}' of '{name}' has shape {kind[1]}, "
-                    f"the parameter {tuple(slot.shape)}"
+                    f"the parameter {tuple(slot.full_shape)}"
                 )
         shaped = all(
-            k[0] == "tensor" and tuple(k[1]) == tuple(s.shape)
+            k[0] == "tensor" and tuple(k[1]) == tuple(s.full_shape)
             for k, s in zip(per_slot, slots, strict=True)
         )
         if shaped and key != "step":
@@ -474,11 +486,20 @@ def check_saved_shapes(root: nn.Module, kinds: dict[str, dict[str, tuple]]) -> N
     for flat in flat_params(root):
         for slot in flat.slots:
             for key, kind in kinds.get(names[id(slot)], {}).items():
-                if kind[0] == "tensor" and len(kind[1]) and tuple(kind[1]) != tuple(slot.shape):
+                if (
+                    kind[0] == "tensor"
+                    and len(kind[1])
+                    and tuple(kind[1]) != tuple(slot.full_shape)
+                ):
                     raise RuntimeError(
                         f"optimizer state '{key}' of '{names[id(slot)]}' has shape {kind[1]}, "
-                        f"the parameter {tuple(slot.shape)}"
+                        f"the parameter {tuple(slot.full_shape)}"
                     )
+
+
+def _misshapen(kind: tuple, slot: ParamSlot) -> bool:
+    """A saved state tensor of positive dimension whose shape is not its parameter's."""
+    return kind[0] == "tensor" and len(kind[1]) > 0 and tuple(kind[1]) != tuple(slot.full_shape)
 
 
 def check_known(held: list[set[str]], names: Any) -> None:

@@ -93,6 +93,17 @@ def broadcast_object_from_rank0(root: nn.Module, obj: Any) -> Any:
     return collectives.broadcast_object(obj, group)
 
 
+def refuse_rank0_only_with_dtensors(root: nn.Module, what: str) -> None:
+    """A load read from rank 0 only reaches the ranks of rank 0's shard group, not its TP
+    peers: refused for a model with DTensor parameters, on every rank alike."""
+    if any(s.layout is not None for f in flat_params(root) for s in f.slots):
+        raise NotImplementedError(
+            f"{what}(rank0_only=True) of a model with DTensor parameters (tensor, sequence "
+            "or expert parallel): every rank of the TP mesh needs the values. Pass the same "
+            "full dict on every rank (rank0_only=False), or use fsdp_lite.load_checkpoint"
+        )
+
+
 # -- where a rank's shard sits in the original parameters -------------------------
 
 
@@ -348,13 +359,8 @@ def load_full_state_dict(
     the same error on a mismatch), then each flat param and buffer is broadcast in turn.
     """
     units = check_idle(root, "load a state dict")
-    if rank0_only and any(s.layout is not None for f in flat_params(root) for s in f.slots):
-        raise NotImplementedError(
-            "load_state_dict(rank0_only=True) of a model with DTensor parameters (tensor, "
-            "sequence or expert parallel): every rank of the TP mesh needs the values. Pass "
-            "the same full state dict on every rank (rank0_only=False), or use "
-            "fsdp_lite.load_checkpoint"
-        )
+    if rank0_only:
+        refuse_rank0_only_with_dtensors(root, "load_state_dict")
     is_source = not rank0_only or is_rank0(root)
     shapes: Any = {}
     if is_source:

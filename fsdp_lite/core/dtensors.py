@@ -16,12 +16,13 @@ gradient holds local gradients only, and the reduce-scatter averages them over d
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from fsdp_lite.core import collectives
 
@@ -65,6 +66,108 @@ class Layout:
 
     def dim_groups(self) -> list[collectives.ProcessGroup]:
         return [self.mesh.get_group(i) for i in range(self.mesh.ndim)]
+
+    def coordinates(self) -> list[tuple[int, ...]]:
+        """Every mesh coordinate along the dims that shard this parameter, with this rank's
+        coordinate on the others: their parts (``part_at``) tile the global tensor once."""
+        mine = self.mesh.get_coordinate()
+        ranges = [
+            range(self.mesh.size(k)) if isinstance(p, Shard) else (mine[k],)
+            for k, p in enumerate(self.placements)
+        ]
+        return list(itertools.product(*ranges))
+
+    def part_at(self, coordinate: tuple[int, ...]) -> Part:
+        """Where the local tensor of the rank at ``coordinate`` lies in the global tensor."""
+        runs, shape = [], list(self.shape)
+        for k, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                d = p.dim % len(self.shape)
+                if any(d == done for done, _ in runs):
+                    raise NotImplementedError(
+                        f"a DTensor sharded twice along one dim ({self.placements}) has no "
+                        "box layout in a checkpoint"
+                    )
+                rs = _runs(p, self.shape, d, self.mesh.size(k), coordinate[k])
+                runs.append((d, rs))
+                shape[d] = sum(length for _, length, _ in rs)
+        mine = tuple(coordinate) == tuple(self.mesh.get_coordinate())
+        return Part(tuple(shape), tuple(runs), mine)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One mesh coordinate's local tensor of a DTensor parameter, placed in the global
+    tensor: along each sharded dim, runs of consecutive local indices map to runs of
+    consecutive global ones (one run for ``Shard``, ``split_factor`` for ``_StridedShard``)."""
+
+    shape: tuple[int, ...]  # the local tensor's shape
+    runs: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]  # dim -> (local, len, global)
+    mine: bool  # this rank's own local tensor
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_global(self, offsets: tuple, sizes: tuple) -> list[tuple[tuple, tuple, int]]:
+        """A box of the local tensor, contiguous in memory, as boxes of the global tensor
+        ``(global offsets, sizes, local flat index)``, each contiguous in memory too."""
+        out: list[tuple[tuple, tuple, int]] = []
+        self._cut(list(offsets), list(sizes), out)
+        return out
+
+    def _cut(self, off: list[int], size: list[int], out: list) -> None:
+        if 0 in size:
+            return
+        for d, runs in self.runs:
+            inside = [r for r in runs if r[0] < off[d] + size[d] and off[d] < r[0] + r[1]]
+            if len(inside) == 1:
+                continue
+            outer = next((k for k in range(d) if size[k] > 1), None)
+            if outer is not None:  # rows first: a cut along d keeps each row contiguous
+                for j in range(size[outer]):
+                    self._cut(_at(off, outer, off[outer] + j), _at(size, outer, 1), out)
+                return
+            for start, length, _ in inside:
+                a, b = max(off[d], start), min(off[d] + size[d], start + length)
+                self._cut(_at(off, d, a), _at(size, d, b - a), out)
+            return
+        where = list(off)
+        for d, runs in self.runs:
+            start, _, global_start = next(r for r in runs if r[0] <= off[d] < r[0] + r[1])
+            where[d] = global_start + off[d] - start
+        index = sum(o * st for o, st in zip(off, _strides(self.shape), strict=True))
+        out.append((tuple(where), tuple(size), index))
+
+
+def _at(values: list[int], k: int, value: int) -> list[int]:
+    return [value if i == k else v for i, v in enumerate(values)]
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return strides[::-1]
+
+
+def _runs(
+    placement: Placement, shape: torch.Size, dim: int, n: int, c: int
+) -> tuple[tuple[int, int, int], ...]:
+    """Runs ``(local start, length, global start)`` of the global indices along ``dim``
+    that coordinate ``c`` of ``n`` holds, split as ``placement`` splits them (torch's own
+    rule, uneven and strided shards included)."""
+    size = shape[dim]
+    index = torch.arange(size).view([size if k == dim else 1 for k in range(len(shape))])
+    held = placement._split_tensor(index, n, with_padding=False)[0][c].reshape(-1).tolist()
+    runs: list[list[int]] = []
+    for local, g in enumerate(held):
+        if runs and runs[-1][2] + runs[-1][1] == g:
+            runs[-1][1] += 1
+        else:
+            runs.append([local, 1, g])
+    return tuple(tuple(r) for r in runs)
 
 
 def layout_of(p: torch.Tensor) -> Layout | None:

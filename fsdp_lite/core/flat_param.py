@@ -147,7 +147,7 @@ class FlatParam:
         ``ceil(numel / W)`` slice each, or (whole params) the slots ``owners`` gives it."""
         self.whole = owners is not None  # cut on parameter boundaries
         if owners is None:
-            self.bounds = _even_bounds(self.numel, self.world_size)
+            self.bounds = even_bounds(self.numel, self.world_size)
         else:
             self.bounds = _slot_bounds(self.slots, owners, self.world_size)
         self.padded_numel = self.bounds[-1]
@@ -458,7 +458,7 @@ def _build_shard(
     return shard
 
 
-def _even_bounds(numel: int, world_size: int) -> list[int]:
+def even_bounds(numel: int, world_size: int) -> list[int]:
     """Rank r keeps [r * s, (r + 1) * s) of the flat param padded to W * s, s = ceil(numel / W)."""
     per = -(-numel // world_size)
     return [r * per for r in range(world_size + 1)]

@@ -12,21 +12,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import tp_models
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from tp_models import SEQ, VOCAB, Block, Transformer
 
 import fsdp_lite
+from fsdp_lite.core.tree import units_of
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import BF16, Run, compare_runs
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
+from tests.dist.test_host_syncs import HostSyncs
 
 STEPS = 3
 # This model's bf16 loss is more sensitive than the GPT's BF16 was measured on: wrapped
@@ -180,17 +187,156 @@ def _dtensor_off_this_rank() -> None:
             fsdp_lite.FSDPModule(model, mesh=_mesh()["dp"])
 
 
-def _cases(rank: int, world: int) -> dict:
+def _steady_state() -> None:
+    """After warm-up, one TP + SP step (forward, backward, clip) issues no host sync; the
+    FSDP collectives fsdp_lite counts are its own (TP's go through DTensor, uncounted):
+    per flat param at most two all-gathers of its local full buffer and one reduce-scatter,
+    plus clip's all-reduces (over dp, then each tp dim)."""
+    model = _wrap_transformer(Transformer(), sp=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _tokens(0)
+    local = (x.chunk(2)[_dp_slice()[0]], y.chunk(2)[_dp_slice()[0]])
+
+    def step() -> None:
+        _lm_loss(model, local).backward()
+        model.clip_grad_norm_(1.0)
+
+    for _ in range(3):
+        step()
+        opt.step()
+        opt.zero_grad()
+    fsdp_lite.reset_stats()
+    with HostSyncs() as syncs:
+        step()
+    assert not syncs.seen, f"host syncs in a TP step: {dict(syncs.seen)}"
+    calls = fsdp_lite.stats()["collectives"]
+    flats = [f for u in units_of(model) for f in u.flat_params]
+    assert set(calls) == {"all_gather", "reduce_scatter", "all_reduce"}, set(calls)
+    full = sum(f.padded_numel * 4 for f in flats)  # fp32: the local full buffers
+    assert calls["reduce_scatter"]["calls"] == len(flats), calls["reduce_scatter"]
+    assert calls["reduce_scatter"]["bytes"] == full, (calls["reduce_scatter"], full)
+    gathers = calls["all_gather"]
+    assert len(flats) <= gathers["calls"] <= 2 * len(flats), gathers
+    assert full <= gathers["bytes"] <= 2 * full, (gathers, full)
+    assert calls["all_reduce"]["calls"] == 2, calls["all_reduce"]  # dp, then the tp dim
+
+
+# -- checkpoints across layouts ------------------------------------------------------
+
+SAVED_AT, TOTAL = 2, 4
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+
+
+def _layout_model(layout: str, seed: int = 0) -> tuple[nn.Module, tuple[int, int]]:
+    """The tied transformer in ``layout`` and this rank's data slice: "dp2 x tp2"
+    (fsdp_lite + TP + SP), "dp4" (fsdp_lite alone) or "FSDP2 + TP" (torch's fully_shard
+    over dp around the same TP plan)."""
+    torch.manual_seed(seed)
+    model = Transformer(tied=True)
+    if layout == "dp2 x tp2":
+        return _wrap_transformer(model, sp=True), _dp_slice()
+    if layout == "dp4":
+        policy = fsdp_lite.wrap.by_type(Block)
+        return fsdp_lite.FSDPModule(model, auto_wrap_policy=policy), (dist.get_rank(), 4)
+    tp_models.parallelize(model, _mesh()["tp"], sp=True)
+    for block in model.layers:
+        fully_shard(block, mesh=_mesh()["dp"])
+    return fully_shard(model, mesh=_mesh()["dp"]), _dp_slice()
+
+
+def _train_steps(model, opt, steps: range, where: tuple[int, int]) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = _tokens(step)
+        loss = _lm_loss(model, (x.chunk(where[1])[where[0]], y.chunk(where[1])[where[0]]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # TP ranks hold equal losses: the mean over dp
+        losses.append(mean.item() / dist.get_world_size())
+    return losses
+
+
+def _save(layout: str, path: str) -> None:
+    model, where = _layout_model(layout)
+    opt = _adamw(model)
+    _train_steps(model, opt, range(SAVED_AT), where)
+    if layout == "FSDP2 + TP":
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    else:
+        fsdp_lite.save_checkpoint(path, model, opt)
+
+
+def _resumes(saved: str, layout: str, tmp: str) -> None:
+    """A run saved in ``saved``'s layout at step 2 continues in ``layout`` equal to the
+    single-process reference that never stopped (losses, then full parameters)."""
+    torch.manual_seed(0)
+    ref = Transformer(tied=True)
+    ref_opt = _adamw(ref)
+    want = _train_steps(ref, ref_opt, range(TOTAL), (0, 1))
+    path = os.path.join(tmp, saved.replace(" ", "_"))
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        _save(saved, path)
+    dist.barrier()
+    model, where = _layout_model(layout, seed=7)  # nothing of this init survives the load
+    opt = _adamw(model)
+    fsdp_lite.load_checkpoint(path, model, opt)
+    got = _train_steps(model, opt, range(SAVED_AT, TOTAL), where)
+    for step, (a, b) in enumerate(zip(got, want[SAVED_AT:], strict=True), start=SAVED_AT):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a} vs reference {b}"
+    state = model.state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def _full_optim_state() -> None:
+    """The full optimizer state dict of a TP model holds the unwrapped model's shapes and
+    values; loaded into a fresh TP model it gives back the same state."""
+    torch.manual_seed(0)
+    ref = Transformer(tied=True)
+    ref_opt = _adamw(ref)
+    _train_steps(ref, ref_opt, range(SAVED_AT), (0, 1))
+    model, where = _layout_model("dp2 x tp2")
+    opt = _adamw(model)
+    _train_steps(model, opt, range(SAVED_AT), where)
+    osd = fsdp_lite.full_optim_state_dict(model, opt, rank0_only=False)
+    want = {n: ref_opt.state[p] for n, p in ref.named_parameters()}
+    for name, state in want.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(osd["state"][name][key], state[key], rtol=1e-4, atol=1e-7)
+    fresh, _ = _layout_model("dp2 x tp2", seed=7)
+    fresh_opt = _adamw(fresh)
+    fsdp_lite.load_full_optim_state_dict(fresh, fresh_opt, osd)
+    again = fsdp_lite.full_optim_state_dict(fresh, fresh_opt, rank0_only=False)
+    for name in want:
+        torch.testing.assert_close(again["state"][name]["exp_avg"], osd["state"][name]["exp_avg"])
+
+
+def _cases(rank: int, world: int, tmp: str) -> dict:
     results = compare_runs(_training_runs())
     results.update(run_subtests([
         ("state_dict: full plain tensors; load_state_dict", _state_dicts),
         ("summon_full_params: DTensors as before wrapping, writeback", _summon),
+        ("steady state: no host sync, FSDP collectives apart from TP's", _steady_state),
         ("refused: parallelize_module after wrapping", _parallelized_after_wrapping),
         ("refused: a DTensor on the dp dim", _dtensor_on_the_dp_dim),
         ("refused: a DTensor whose mesh leaves this rank out", _dtensor_off_this_rank),
+        ("full optimizer state dict: unwrapped shapes, loads back", _full_optim_state),
+        *[
+            (f"checkpoint: {saved} -> {layout}", functools.partial(_resumes, saved, layout, tmp))
+            for saved, layout in [
+                ("dp2 x tp2", "dp4"), ("dp4", "dp2 x tp2"), ("dp2 x tp2", "dp2 x tp2"),
+                ("FSDP2 + TP", "dp2 x tp2"), ("FSDP2 + TP", "dp4"),
+            ]
+        ],
     ]))  # fmt: skip
     return results
 
 
-def test_tensor_parallel_dp2_tp2() -> None:
-    assert_subtests_passed(run_distributed(_cases, 4, timeout=900))
+def test_tensor_parallel_dp2_tp2(tmp_path) -> None:
+    assert_subtests_passed(run_distributed(_cases, 4, str(tmp_path), timeout=900))
