@@ -72,7 +72,7 @@ class Trainer:
         t = cfg.train
         self.accumulate = "no_sync"  # until train_memory.choose says
         self.batches = Batches(
-            data, cfg.model.block_size, t.batch_size, d.rank, d.world_size, t.seed
+            data, cfg.model.block_size, t.batch_size, d.dp_rank, d.dp_size, t.seed
         )
 
     def local_state(self) -> dict:
@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, overrides, world)
         start_note = train_ckpt.prepare_start(cfg, args.overwrite, int(os.environ.get("RANK", 0)))
-        data, tokenizer = _load_data(cfg, world)
-        d = init_distributed(cfg.fsdp.timeout_s)
+        data, tokenizer = _load_data(cfg, world // cfg.parallel.tp)  # the data-parallel ranks
+        d = init_distributed(cfg.fsdp.timeout_s, cfg.parallel.tp)
     except ConfigError as e:
         if rank0:
             print(f"config error: {e}", file=sys.stderr)

@@ -208,7 +208,7 @@ def restore(
         local = extra["ranks"][d.rank]
         set_rng_state(local["rng"], d.device)
         return step, local, f"resumed from {path} at step {step}"
-    torch.manual_seed(cfg.train.seed + d.rank + 1_000_003 * step)
+    torch.manual_seed(cfg.train.seed + d.dp_rank + 1_000_003 * step)
     note = (
         f"resumed from {path} at step {step}, saved by {extra['world_size']} rank(s), "
         f"resharded to {d.world_size}: dropout RNG reseeded"

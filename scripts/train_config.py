@@ -1,7 +1,8 @@
 """The training script's configuration: dataclasses, YAML, ``--set`` overrides, validation.
 
-A run is a YAML file of sections (``model``, ``train``, ``fsdp``, ``data``, ``checkpoint``,
-``log``, ``debug``) plus ``--set section.key=value`` overrides, values parsed as YAML.
+A run is a YAML file of sections (``model``, ``train``, ``fsdp``, ``parallel``, ``optim``,
+``data``, ``checkpoint``, ``log``, ``debug``) plus ``--set section.key=value`` overrides,
+values parsed as YAML.
 Everything is checked before any process group exists: unknown keys, wrong types, bad
 values, and world sizes the run cannot use each raise :class:`ConfigError` naming the key.
 
@@ -109,6 +110,17 @@ class FSDPConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tp: int = opt(
+        1,
+        "tensor-parallel degree: the GPT's Megatron plan (`fsdp_lite.testing.models."
+        "parallelize_gpt`) over groups of this many ranks, fsdp_lite over the rest (a dp x tp "
+        "`DeviceMesh`; with `fsdp.shard_size`, replicate x shard x tp); must divide the world "
+        "size and `model.n_head`; not with `model.hf`, `fsdp.compile` or `optim.name: muon`",
+    )
+
+
+@dataclass
 class OptimConfig:
     name: str = opt(
         "adamw",
@@ -164,6 +176,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -234,6 +247,7 @@ def _apply_overrides(raw: dict, overrides: list[str]) -> None:
 def _value_checks(cfg: Config) -> list[tuple[str, bool, str]]:
     """(key, ok, requirement) for every value that must hold whatever the world size."""
     m, t, f, c, d = cfg.model, cfg.train, cfg.fsdp, cfg.checkpoint, cfg.debug
+    p = cfg.parallel
     return [
         ("name", bool(cfg.name) and "/" not in cfg.name, "a non-empty name without '/'"),
         ("model.n_layer", m.n_layer >= 1, ">= 1"),
@@ -266,6 +280,13 @@ def _value_checks(cfg: Config) -> list[tuple[str, bool, str]]:
         ("fsdp.offload", f.offload in OFFLOADS, " or ".join(OFFLOADS)),
         ("fsdp.shard_size", (f.shard_size or 1) >= 1, ">= 1 or null"),
         ("fsdp.timeout_s", f.timeout_s > 0, "> 0"),
+        ("parallel.tp", p.tp >= 1 and m.n_head % p.tp == 0, ">= 1 and divide model.n_head"),
+        (
+            "parallel.tp",
+            p.tp == 1 or (m.hf is None and not f.compile and cfg.optim.name != "muon"),
+            "1 with model.hf, fsdp.compile or optim.name=muon (the GPT's TP plan, eager, "
+            "flat shards)",
+        ),
         ("checkpoint.every", c.every >= 0, ">= 0 (0: no checkpoints)"),
         ("checkpoint.keep", c.keep >= 0, ">= 0 (0: keep all)"),
         ("checkpoint.resume", bool(c.resume), "never, auto or a checkpoint path"),
@@ -297,20 +318,27 @@ def validate(cfg: Config) -> None:
 def check_world(cfg: Config, world_size: int) -> None:
     """Settings the given world size cannot run; resolves ``train.grad_accum`` from
     ``train.global_batch_size``. (The corpus is checked in ``train_data.load_data``.)"""
-    t, f = cfg.train, cfg.fsdp
+    t, f, tp = cfg.train, cfg.fsdp, cfg.parallel.tp
     where = f"with {world_size} rank(s)"
-    if f.shard_size is not None and world_size % f.shard_size:
+    if world_size % tp:
         raise ConfigError(
-            f"fsdp.shard_size={f.shard_size} must divide the world size {world_size}: hybrid "
-            "sharding needs equal shard groups (use e.g. the number of GPUs per node)"
+            f"parallel.tp={tp} must divide the world size {world_size}: the ranks form a "
+            "dp x tp mesh"
+        )
+    dp = world_size // tp  # the ranks that see different data
+    if f.shard_size is not None and dp % f.shard_size:
+        raise ConfigError(
+            f"fsdp.shard_size={f.shard_size} must divide the data-parallel size {dp} (the world "
+            f"size {world_size} over parallel.tp={tp}): hybrid sharding needs equal shard "
+            "groups (use e.g. the number of GPUs per node)"
         )
     if t.global_batch_size is not None:
-        per_micro = t.batch_size * world_size
+        per_micro = t.batch_size * dp
         accum, rest = divmod(t.global_batch_size, per_micro)
         if rest or not accum:
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} must be a multiple of "
-                f"train.batch_size x world size = {t.batch_size} x {world_size} = {per_micro} "
+                f"train.batch_size x data-parallel size = {t.batch_size} x {dp} = {per_micro} "
                 f"{where}"
             )
         if t.grad_accum not in (1, accum):

@@ -133,9 +133,11 @@ def theoretical_comm(
     fsdp_lite counts it (the full buffer each collective spans), for Psi = ``n_params``;
     micro-steps before the last run as ``accumulate`` says (``Trainer.accumulate``)."""
     f, accum = cfg.fsdp, cfg.train.grad_accum
-    shard_world = f.shard_size or d.world_size
-    if d.world_size == 1:
-        return 0, "nothing at world size 1"
+    shard_world = f.shard_size or d.dp_size
+    if d.dp_size == 1:
+        return 0, "nothing at data-parallel size 1"
+    if d.tp > 1:  # each rank's units hold its local tensors: about Psi / tp of them
+        n_params = sum(p.numel() for p in model.parameters()) * shard_world
     total, parts = 0, []
     if shard_world > 1:
         if f.reshard_after_forward is False:  # backward reuses every forward gather
@@ -156,10 +158,11 @@ def theoretical_comm(
             micro = f" (kept across {accum} micro-steps)"
         scatters = f"{reduced} reduce-scatter" + ("s" if reduced > 1 else "")
         parts.append(f"{what} in {f.mixed_precision}{micro} + {scatters} in fp32")
-    if shard_world < d.world_size:
+    if shard_world < d.dp_size:
         total += n_params // shard_world * 4
         parts.append("1 all-reduce of the shard grads across replicas in fp32")
-    return total, " + ".join(parts) + f" of Psi = {n_params:,} params"
+    local = f" on this rank (parallel.tp={d.tp})" if d.tp > 1 else ""
+    return total, " + ".join(parts) + f" of Psi = {n_params:,} params{local}"
 
 
 def summarize(
@@ -213,7 +216,7 @@ def summarize(
 def cfg_tokens(cfg: Config, d: Dist) -> int:
     """Tokens per optimizer step over all ranks."""
     t = cfg.train
-    return t.batch_size * cfg.model.block_size * t.grad_accum * d.world_size
+    return t.batch_size * cfg.model.block_size * t.grad_accum * d.dp_size
 
 
 def _print_summary(s: dict[str, Any], formula: str, d: Dist) -> None:

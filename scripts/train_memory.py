@@ -57,6 +57,8 @@ def estimate(cfg: Config, vocab_size: int, d: Dist, accumulation: str | None) ->
     """One rank's peak over a step of this run, as the planner predicts it, the
     micro-steps before the last run as ``accumulation`` says (None: one micro-step)."""
     f, t = cfg.fsdp, cfg.train
+    if d.tp > 1:
+        raise NotImplementedError("the planner does not model tensor parallelism (parallel.tp)")
     with torch.device("meta"):
         inner, blocks = _inner_model(cfg, vocab_size)
     policy = _wrap_policy(cfg, inner, blocks)  # applies activation checkpointing too

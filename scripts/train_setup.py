@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from train_config import Config, ConfigError, TrainConfig
 
 import fsdp_lite
-from fsdp_lite.testing.models import GPT, Block, GPTConfig
+from fsdp_lite.testing.models import GPT, Block, GPTConfig, parallelize_gpt
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -32,13 +33,25 @@ class Dist:
     rank: int
     world_size: int
     device: torch.device
+    tp: int = 1  # tensor-parallel degree (parallel.tp): ranks rank // tp share their data
+    mesh: DeviceMesh | None = None  # (dp..., "tp") when tp > 1
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's slice of every global batch (its TP group's)."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """How many ranks see different data."""
+        return self.world_size // self.tp
 
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
-def init_distributed(timeout_s: float) -> Dist:
+def init_distributed(timeout_s: float, tp: int = 1) -> Dist:
     """NCCL + cuda:LOCAL_RANK if CUDA is available, else gloo + CPU; one rank without torchrun.
 
     ``timeout_s`` bounds every collective: a peer that stopped answering fails the job
@@ -73,7 +86,7 @@ def init_distributed(timeout_s: float) -> Dist:
     if not cuda:  # ranks share the cores
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    return Dist(dist.get_rank(), world_size, device)
+    return Dist(dist.get_rank(), world_size, device, tp)
 
 
 def _store(timeout: datetime.timedelta) -> dist.Store:
@@ -180,14 +193,17 @@ def build_model(cfg: Config, vocab_size: int, d: Dist) -> tuple[fsdp_lite.FSDPMo
             )
     dtype = DTYPES[f.mixed_precision]
     mp = None if dtype == torch.float32 else fsdp_lite.MixedPrecision(dtype, torch.float32)
-    groups = None
-    if f.shard_size is not None and f.shard_size != d.world_size:
+    groups, mesh = None, None
+    if d.tp > 1:  # TP over groups of tp ranks, fsdp_lite over the data-parallel dims
+        mesh = _parallelize(cfg, inner, d)
+    elif f.shard_size is not None and f.shard_size != d.world_size:
         groups = fsdp_lite.hybrid_groups(f.shard_size)
     # max_in_flight counts the running unit's own gather too
     prefetch = fsdp_lite.PrefetchPolicy(max_in_flight=f.prefetch + 1) if f.prefetch else None
     model = fsdp_lite.FSDPModule(
         inner,
         process_group=groups,
+        mesh=mesh,
         auto_wrap_policy=_wrap_policy(cfg, inner, blocks),
         reshard_after_forward=f.reshard_after_forward,
         mixed_precision=mp,
@@ -198,8 +214,20 @@ def build_model(cfg: Config, vocab_size: int, d: Dist) -> tuple[fsdp_lite.FSDPMo
         # Muon steps whole matrices
         optimizer_params="whole" if cfg.optim.name == "muon" else "flat",
     )
-    torch.manual_seed(cfg.train.seed + d.rank)  # dropout differs per rank
+    torch.manual_seed(cfg.train.seed + d.dp_rank)  # dropout differs per data slice
     return model, n_params
+
+
+def _parallelize(cfg: Config, inner: nn.Module, d: Dist) -> DeviceMesh:
+    """Apply the GPT's TP plan on the world mesh's ``tp`` dim; return the data-parallel
+    slice fsdp_lite shards over: ``dp``, or (``fsdp.shard_size``) ``replicate x shard``."""
+    shard = cfg.fsdp.shard_size or d.dp_size
+    shape, names = (d.dp_size // shard, shard, d.tp), ("replicate", "shard", "tp")
+    d.mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=names)
+    parallelize_gpt(inner, d.mesh["tp"])
+    if shard == d.dp_size:
+        return d.mesh["shard"]
+    return d.mesh["replicate", "shard"]
 
 
 def build_optimizers(cfg: Config, model: fsdp_lite.FSDPModule) -> list[torch.optim.Optimizer]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_lite.core import collectives
 
@@ -72,7 +73,7 @@ class Layout:
         coordinate on the others: their parts (``part_at``) tile the global tensor once."""
         mine = self.mesh.get_coordinate()
         ranges = [
-            range(self.mesh.size(k)) if isinstance(p, Shard) else (mine[k],)
+            range(self.mesh.size(k)) if _shards(p) else (mine[k],)
             for k, p in enumerate(self.placements)
         ]
         return list(itertools.product(*ranges))
@@ -81,7 +82,7 @@ class Layout:
         """Where the local tensor of the rank at ``coordinate`` lies in the global tensor."""
         runs, shape = [], list(self.shape)
         for k, p in enumerate(self.placements):
-            if isinstance(p, Shard):
+            if _shards(p):
                 d = p.dim % len(self.shape)
                 if any(d == done for done, _ in runs):
                     raise NotImplementedError(
@@ -138,6 +139,11 @@ class Part:
             where[d] = global_start + off[d] - start
         index = sum(o * st for o, st in zip(off, _strides(self.shape), strict=True))
         out.append((tuple(where), tuple(size), index))
+
+
+def _shards(placement: Placement) -> bool:
+    """``Shard`` or ``_StridedShard`` (which is not a ``Shard`` subclass)."""
+    return isinstance(placement, Shard | _StridedShard)
 
 
 def _at(values: list[int], k: int, value: int) -> list[int]:

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 @dataclass
@@ -55,12 +59,14 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
+        # chunk and -1 heads: under tensor parallelism (parallelize_gpt) each rank holds
+        # its heads of q, k and v, (B, T, 3 C / tp)
+        q, k, v = self.qkv(x).chunk(3, dim=2)
         # (B, nh, T, hs)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -146,3 +152,46 @@ class ConvNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stage2(self.stage1(x))
         return self.head(x.mean(dim=(2, 3)))
+
+
+# -- tensor parallelism --------------------------------------------------------------
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for a projection that stacks ``pieces`` outputs on dim 0 (q, k
+    and v): each rank holds its slice of every piece (``_StridedShard``), so that
+    ``chunk(pieces)`` of its local output gives its heads of each."""
+
+    def __init__(self, pieces: int) -> None:
+        super().__init__()
+        self.pieces = pieces
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            placement = _StridedShard(0, split_factor=self.pieces)
+            value = distribute_tensor(param.detach(), device_mesh, [placement])
+            module.register_parameter(param_name, nn.Parameter(value, param.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local()  # (B, T, pieces * C / tp): this rank's slice of each
+
+
+def parallelize_gpt(model: GPT, tp: DeviceMesh) -> GPT:
+    """Megatron's plan for the GPT on the ``tp`` mesh: q/k/v (fused) and the MLP's first
+    layer colwise, their output projections rowwise, the token embedding rowwise and the
+    head colwise (vocab-sharded, tied again after); norms and positions replicated."""
+    parallelize_module(model, tp, {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })  # fmt: skip
+    for block in model.blocks:
+        parallelize_module(block, tp, {
+            "attn.qkv": FusedColwiseParallel(3),
+            "attn.proj": RowwiseParallel(),
+            "mlp.fc": ColwiseParallel(),
+            "mlp.proj": RowwiseParallel(),
+        })  # fmt: skip
+    if model.cfg.tie_weights:  # parallelize_module made each a new parameter
+        model.lm_head.weight = model.wte.weight
+    return model

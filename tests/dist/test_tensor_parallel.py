@@ -30,7 +30,7 @@ from tp_models import SEQ, VOCAB, Block, Transformer
 
 import fsdp_lite
 from fsdp_lite.core.tree import units_of
-from fsdp_lite.testing import run_distributed
+from fsdp_lite.testing import models, run_distributed
 from fsdp_lite.testing.reference import BF16, Run, compare_runs
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
 from tests.dist.test_host_syncs import HostSyncs
@@ -106,10 +106,31 @@ def _mlp_run() -> Run:
     )
 
 
+def _gpt_run() -> Run:
+    """The training script's GPT (fused q/k/v, tied embeddings) under its own TP plan."""
+    cfg = models.GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=16)
+
+    def wrap(model: models.GPT) -> fsdp_lite.FSDPModule:
+        model = models.parallelize_gpt(model, _mesh()["tp"])
+        policy = fsdp_lite.wrap.by_type(models.Block)
+        return fsdp_lite.FSDPModule(model, mesh=_mesh()["dp"], auto_wrap_policy=policy)
+
+    return Run(
+        "GPT, fused q/k/v (strided shards), tied embeddings",
+        make_model=functools.partial(models.GPT, cfg),
+        batch=_tokens,
+        loss=lambda m, b: m(b[0], b[1])[1],
+        wrap=wrap,
+        steps=STEPS,
+        data_slice=_dp_slice,
+    )
+
+
 def _training_runs() -> list[Run]:
     bf16 = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16)
     return [
         _mlp_run(),
+        _gpt_run(),
         _transformer_run("transformer, TP", sp=False),
         _transformer_run("transformer, TP + SP", sp=True),
         _transformer_run("transformer, TP + SP, tied embeddings", sp=True, tied=True),

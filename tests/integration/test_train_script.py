@@ -405,7 +405,7 @@ def test_make_train_twice_gives_two_runs_side_by_side(tmp_path: Path) -> None:
         (
             ["train.global_batch_size=64"],
             3,
-            "must be a multiple of train.batch_size x world size = 16 x 3 = 48",
+            "must be a multiple of train.batch_size x data-parallel size = 16 x 3 = 48",
         ),
         (
             ["debug.crash_at_step=3", "checkpoint.every=2", "debug.crash_rank=1"],
