@@ -23,7 +23,7 @@ from fsdp_lite.addons.activation_checkpointing import (
 from fsdp_lite.addons.checkpoints import CheckpointError, load_checkpoint, save_checkpoint
 from fsdp_lite.addons.compile import compile_blocks
 from fsdp_lite.addons.grad_scaler import ShardedGradScaler
-from fsdp_lite.addons.hugging_face import load_pretrained, save_pretrained
+from fsdp_lite.addons.hugging_face import hf_tp_plan, load_pretrained, save_pretrained
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload, offload_optimizer_state
 from fsdp_lite.addons.offload_model import OffloadModel
 from fsdp_lite.addons.optim_state import full_optim_state_dict, load_full_optim_state_dict
@@ -64,6 +64,7 @@ __all__ = [
     "load_full_optim_state_dict",
     "save_pretrained",
     "load_pretrained",
+    "hf_tp_plan",
     "ShardedGradScaler",
     "OffloadModel",
     "estimate_memory",

@@ -135,7 +135,8 @@ def _entries(model: nn.Module, dtype: torch.dtype | None) -> list[_Entry]:
             keys = [k for k in names.get((id(flat), i), []) if k not in ignored]
             if keys:
                 key = _keep_one(keys, patterns)
-                out.append(_Entry(key, tuple(slot.shape), dtype or torch.float32, (flat, i), True))
+                shape = tuple(slot.full_shape)
+                out.append(_Entry(key, shape, dtype or torch.float32, (flat, i), True))
     for key, (tensor, saved) in tensors.items():
         if key not in ignored:
             is_param = isinstance(tensor, nn.Parameter)
@@ -298,8 +299,9 @@ def save_pretrained(
     for flat, slots in _by_flat(files):
         full = flat.gather_fp32()  # (numel,): the only full copy of this flat param
         for i, e in slots:
+            # A DTensor's whole value is gathered over its mesh on every rank (collective)
+            piece = flat.slots[i].whole_value(full[flat.slots[i].offset :][: flat.slots[i].numel])
             if writer is not None:
-                piece = full[flat.slots[i].offset :][: flat.slots[i].numel].view(e.shape)
                 writer.run(writer.add, e.key, piece.to("cpu", e.dtype, copy=True))
         del full
     for e in (e for f in files for e in f if isinstance(e.source, torch.Tensor)):
@@ -386,17 +388,22 @@ def load_pretrained(
 
 
 def _read_piece(file: Any, key: str, flat: FlatParam, i: int, lo: int, hi: int, at: int) -> None:
-    """Elements ``[lo, hi)`` of slot ``i`` from ``file`` into this rank's shard."""
+    """Elements ``[lo, hi)`` of slot ``i`` (of a DTensor's local tensor: boxes of its part
+    of the global tensor) from ``file`` into this rank's shard."""
     flat.home.before_host_write(flat.shard)
-    shape = tuple(flat.slots[i].shape)
+    slot = flat.slots[i]
+    shape = tuple(slot.shape)
     if not shape:  # 0-dim: the whole (one-element) tensor
         flat.shard[at : at + 1].copy_(file.get_tensor(key).reshape(1))
         return
     sliced = file.get_slice(key)
+    part = None if slot.layout is None else slot.layout.my_part()
     for offsets, sizes, first in boxes(shape, lo, hi):
-        piece = sliced[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
-        start = at + first - lo
-        flat.shard[start : start + piece.numel()].copy_(piece.reshape(-1))
+        found = [(offsets, sizes, first)] if part is None else part.to_global(offsets, sizes)
+        for where, size, index in found:
+            piece = sliced[tuple(slice(o, o + s) for o, s in zip(where, size, strict=True))]
+            start = at + index - lo
+            flat.shard[start : start + piece.numel()].copy_(piece.reshape(-1))
 
 
 def _read_index(path: str, safe_open: Any) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
@@ -449,3 +456,48 @@ def _sources(
         if key not in shapes and (id(flat), i) in by_slot
     }
     return by_slot, aliases
+
+
+# -- tensor parallelism -------------------------------------------------------------
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, Any]:
+    """The model's own tensor-parallel plan (``config.base_model_tp_plan``, as the
+    ``PreTrainedModel.tp_plan`` property gives it with the head's), as torch
+    ``ParallelStyle`` objects for ``parallelize_module(model, world["tp"], plan)``, which takes
+    its ``*`` wildcards. Apply it before wrapping::
+
+        parallelize_module(model, world["tp"], fsdp_lite.hf_tp_plan(model))
+        model = fsdp_lite.FSDPModule(model, mesh=world["dp"], auto_wrap_policy=...)
+
+    A style this mapping does not know (a packed or expert-parallel one) raises, naming it.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    styles = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "sequence_parallel": SequenceParallel,
+    }
+    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
+    if not plan:
+        raise ValueError(
+            f"{type(model).__name__} has no tensor-parallel plan (config.base_model_tp_plan); "
+            "write one for parallelize_module (docs/tensor-parallel.md)"
+        )
+    unknown = sorted({style for style in plan.values() if style not in styles})
+    if unknown:
+        raise NotImplementedError(
+            f"{type(model).__name__}'s tp_plan uses styles {unknown}, which hf_tp_plan does not "
+            f"map to torch's (it maps {sorted(styles)}); write those entries yourself"
+        )
+    return {name: styles[style]() for name, style in plan.items()}

@@ -71,10 +71,19 @@ def _groups(root: nn.Module) -> tuple[collectives.ProcessGroup, collectives.Proc
 
 def is_rank0(root: nn.Module) -> bool:
     """Rank 0 of the model's ranks: of its shard group and, with hybrid sharding, of its
-    replicate group too (global rank 0 for ``fsdp_lite.hybrid_groups``)."""
+    replicate group too (global rank 0 for ``fsdp_lite.hybrid_groups``), and of the meshes
+    of its DTensor parameters."""
     group, replicate = _groups(root)
     first_replica = replicate is None or collectives.rank(replicate) == 0
-    return collectives.rank(group) == 0 and first_replica
+    return collectives.rank(group) == 0 and first_replica and _first_on_meshes(root)
+
+
+def _first_on_meshes(root: nn.Module) -> bool:
+    """At coordinate 0 of every DTensor parameter's mesh (TP peers hold other parts)."""
+    meshes = {
+        id(s.layout.mesh): s.layout.mesh for f in flat_params(root) for s in f.slots if s.layout
+    }
+    return all(not any(mesh.get_coordinate()) for mesh in meshes.values())
 
 
 def broadcast_from_rank0(root: nn.Module, tensor: torch.Tensor) -> None:

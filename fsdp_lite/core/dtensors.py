@@ -78,6 +78,10 @@ class Layout:
         ]
         return list(itertools.product(*ranges))
 
+    def my_part(self) -> Part:
+        """Where this rank's local tensor lies in the global tensor."""
+        return self.part_at(tuple(self.mesh.get_coordinate()))
+
     def part_at(self, coordinate: tuple[int, ...]) -> Part:
         """Where the local tensor of the rank at ``coordinate`` lies in the global tensor."""
         runs, shape = [], list(self.shape)

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import os
 
+import hf_cases
 import pytest
 import torch
 import torch.distributed as dist
@@ -126,11 +127,53 @@ def _gpt_run() -> Run:
     )
 
 
+def _wrap_hf(model: nn.Module) -> fsdp_lite.FSDPModule:
+    """A Hugging Face model under its own TP plan (``hf_tp_plan``), a unit per layer."""
+    parallelize_module(model, _mesh()["tp"], fsdp_lite.hf_tp_plan(model))
+    policy = fsdp_lite.wrap.by_type(*fsdp_lite.wrap.transformer_layers(model))
+    return fsdp_lite.FSDPModule(model, mesh=_mesh()["dp"], auto_wrap_policy=policy)
+
+
+def _hf_llama_run() -> Run:
+    return Run(
+        "HF Llama (GQA), its own base_model_tp_plan",
+        make_model=hf_cases.llama,
+        batch=functools.partial(hf_cases.token_batch, 2),
+        loss=hf_cases.hf_loss,
+        wrap=_wrap_hf,
+        steps=STEPS,
+        data_slice=_dp_slice,
+    )
+
+
+def _hf_pretrained(tmp: str) -> None:
+    """save_pretrained of a TP model writes the unwrapped model's full weights (the class's
+    from_pretrained reads them back equal); load_pretrained reads each rank's boxes of
+    its local tensors into another TP model."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = _wrap_hf(hf_cases.llama())
+    path = os.path.join(tmp, "hf_llama_tp")
+    fsdp_lite.save_pretrained(model, path)
+    want = model.state_dict()
+    dist.barrier()
+    back = LlamaForCausalLM.from_pretrained(path).state_dict()
+    for key, value in want.items():
+        torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)
+    torch.manual_seed(7)
+    other = _wrap_hf(hf_cases.llama())
+    fsdp_lite.load_pretrained(other, path)
+    for key, value in other.state_dict().items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=0, msg=key)
+
+
 def _training_runs() -> list[Run]:
     bf16 = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16)
     return [
         _mlp_run(),
         _gpt_run(),
+        _hf_llama_run(),
         _transformer_run("transformer, TP", sp=False),
         _transformer_run("transformer, TP + SP", sp=True),
         _transformer_run("transformer, TP + SP, tied embeddings", sp=True, tied=True),
@@ -348,6 +391,7 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
         ("refused: a DTensor on the dp dim", _dtensor_on_the_dp_dim),
         ("refused: a DTensor whose mesh leaves this rank out", _dtensor_off_this_rank),
         ("full optimizer state dict: unwrapped shapes, loads back", _full_optim_state),
+        ("HF save_pretrained / load_pretrained", functools.partial(_hf_pretrained, tmp)),
         *[
             (f"checkpoint: {saved} -> {layout}", functools.partial(_resumes, saved, layout, tmp))
             for saved, layout in [
