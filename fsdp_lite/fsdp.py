@@ -353,13 +353,9 @@ class FSDPModule(nn.Module):
         units = self._idle_units(True, "clip_grad_norm_")
         flats = [f for u in units for f in u.flat_params]
         grads = [g for f in flats for g in f.grads()]
-        # DTensor parameters' pieces are counted over their mesh too (grads.total_norm)
-        pieces = [piece for f in flats if f.has_layouts for piece in f.layout_grads()]
-        plain = [g for f in flats if not f.has_layouts for g in f.grads()]
-        plain += [g for g, layout in pieces if layout is None]
-        spread = [(g, layout) for g, layout in pieces if layout is not None]
+        parts = [part for f in flats for part in f.norm_parts()]
         whole = self._ignored_grads()
-        total = total_norm(plain, float(norm_type), self.device, self.process_group, whole, spread)
+        total = total_norm(parts, float(norm_type), self.device, self.process_group, whole)
         if error_if_nonfinite and not torch.isfinite(total):
             bad = nonfinite_units(units, self.device, self.process_group)
             raise RuntimeError(

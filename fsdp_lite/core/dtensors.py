@@ -180,6 +180,17 @@ def _runs(
     return tuple(tuple(r) for r in runs)
 
 
+def data_parallel_size(layout: Layout, dp_ranks: set[int]) -> int:
+    """How many ranks of ``dp_ranks`` (a root's data-parallel ranks) the mesh dims of
+    ``layout`` span: the dims whose groups meet them (expert parallel), not the others
+    (tensor parallel, whose ranks share their data)."""
+    me, size = collectives.global_rank(), 1
+    for k, group in enumerate(layout.dim_groups()):
+        if (set(collectives.global_ranks(group)) & dp_ranks) - {me}:
+            size *= layout.mesh.size(k)
+    return size
+
+
 def layout_of(p: torch.Tensor) -> Layout | None:
     """The layout of a DTensor parameter; None for a plain tensor."""
     if not isinstance(p, DTensor):

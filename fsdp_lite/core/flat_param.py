@@ -91,6 +91,10 @@ class FlatParam:
         # Hybrid sharding: shard grads are averaged over this group after the reduce-scatter.
         self.replicate_group = replicate_group
         self.replicas = collectives.world_size(replicate_group) if replicate_group else 1
+        # How many ranks' gradients the reduction averages: the groups' ranks, or for a unit
+        # over a smaller mesh than its root's (experts over dp / ep), the root's: set by
+        # ``unit_init.average_over_root``.
+        self.averaged_over = self.world_size * self.replicas
         self.compute_dtype = compute_dtype
         self.requires_grad = originals[0].requires_grad
         self.numel = sum(s.numel for s in slots)  # unpadded
@@ -387,13 +391,18 @@ class FlatParam:
         """Some slot is a DTensor parameter (``dtensors.py``)."""
         return any(slot.layout is not None for slot in self.slots)
 
-    def layout_grads(self) -> list[tuple[torch.Tensor, Layout | None]]:
-        """With DTensor slots, this rank's shard grad cut by slot, each with its slot's
-        layout (None: a plain parameter), for a norm that counts each element once."""
-        grad = self.grad_as_shard() if self.has_layouts else None
+    def norm_parts(self) -> list[tuple[torch.Tensor, collectives.ProcessGroup, Layout | None]]:
+        """The gradients for a norm (``grads.total_norm``), each with the group that splits
+        it and, with DTensor slots, cut by slot with each slot's layout (None: plain)."""
+        if not self.has_layouts:
+            return [(g, self.group, None) for g in self.grads()]
+        grad = self.grad_as_shard()
         if grad is None:
             return []
-        return [(grad[at : at + hi - lo], self.slots[i].layout) for i, lo, hi, at in self.pieces()]
+        return [
+            (grad[at : at + hi - lo], self.group, self.slots[i].layout)
+            for i, lo, hi, at in self.pieces()
+        ]
 
     def link_orig_grads(self) -> None:
         """End of backward: the optimizer's parameters see the new shard grad."""

@@ -14,46 +14,64 @@ if TYPE_CHECKING:
     from fsdp_lite.core.unit import Unit
 
 
+# One gradient of a norm: (tensor, the group its flat param is sharded over, the layout of
+# the DTensor parameter it is a piece of, or None).
+Part = tuple[torch.Tensor, collectives.ProcessGroup, "Layout | None"]
+
+
 def total_norm(
-    grads: list[torch.Tensor],
+    parts: Sequence[Part],
     p: float,
     device: torch.device,
     group: collectives.ProcessGroup,
     whole: Sequence[torch.Tensor] = (),
-    spread: Sequence[tuple[torch.Tensor, Layout]] = (),
 ) -> torch.Tensor:
-    """The ``p``-norm of ``grads`` over every rank's shards (an all-reduce over ``group``),
-    of ``whole`` (gradients equal on every rank, counted once: ignored parameters') and of
-    ``spread`` (pieces of DTensor parameters' local gradients: summed over their mesh too,
-    each element once however many ranks of the mesh hold it): one multi-tensor norm per
-    device the grads are on (fp32), combined in fp32 on ``device``. A NaN on any rank
-    makes the result non-finite on every rank (``all_reduce``'s max keeps it)."""
+    """The ``p``-norm of every rank's shard ``parts`` and of ``whole`` (gradients equal on
+    every rank, counted once: ignored parameters'), an fp32 scalar on ``device``.
+
+    Each part counts once over the ranks that split it: summed over its shard group (one
+    all-reduce per group, over ``group`` when there are none), then, for a piece of a
+    DTensor parameter, over each dim of its mesh, weighted by ``1 / Layout.copies`` where
+    the mesh replicates it. A NaN on any rank makes the result non-finite on every rank
+    (``all_reduce``'s max keeps it)."""
     inf = p == float("inf")
     op = "max" if inf else "sum"
-    by_mesh: dict[object, dict[int, list[torch.Tensor]]] = {}
-    groups: dict[object, list[collectives.ProcessGroup]] = {}  # mesh -> its dims' groups
-    for g, layout in spread:
-        by_mesh.setdefault(layout.mesh, {}).setdefault(layout.copies, []).append(g)
-        groups.setdefault(layout.mesh, layout.dim_groups())
-    parts = [_local(grads, p, device)]
-    for weights in by_mesh.values():  # each element counted once over the mesh
-        each = [_local(gs, p, device) / (1 if inf else copies) for copies, gs in weights.items()]
-        parts.append(torch.stack(each).max() if inf else torch.stack(each).sum())
-    total = torch.stack(parts)
-    collectives.all_reduce(total, group, op=op)
-    if by_mesh:
-        meshes = [total[:1]]
-        for k, dim_groups in enumerate(groups.values(), start=1):
-            part = total[k : k + 1].clone()
-            for dim_group in dim_groups:
-                collectives.all_reduce(part, dim_group, op=op)
-            meshes.append(part)
-        total = torch.cat(meshes)
-    total = total.max() if inf else total.sum()
+    # (id(group), mesh) -> (group, layout, copies -> grads)
+    buckets: dict[tuple[int, object], tuple[collectives.ProcessGroup, Layout | None, dict]] = {}
+    for grad, grad_group, layout in parts:
+        key = (id(grad_group), None if layout is None else layout.mesh)
+        entry = buckets.setdefault(key, (grad_group, layout, {}))
+        entry[2].setdefault(1 if layout is None else layout.copies, []).append(grad)
+    if not buckets:
+        buckets[(id(group), None)] = (group, None, {1: []})
+    by_group: dict[int, list[tuple[int, object]]] = {}
+    for key in buckets:
+        by_group.setdefault(key[0], []).append(key)
+    sums = []
+    for keys in by_group.values():
+        each = [_weighted(buckets[k][2], p, device) for k in keys]
+        summed = torch.stack(each)
+        collectives.all_reduce(summed, buckets[keys[0]][0], op=op)
+        for i, k in enumerate(keys):
+            part = summed[i : i + 1]
+            layout = buckets[k][1]
+            if layout is not None:  # over the mesh that splits it too
+                part = part.clone()
+                for dim_group in layout.dim_groups():
+                    collectives.all_reduce(part, dim_group, op=op)
+            sums.append(part)
     if whole:
-        total = torch.stack([total, _local(list(whole), p, device)])
-        total = total.max() if inf else total.sum()
+        sums.append(_local(list(whole), p, device).view(1))
+    total = torch.cat(sums)
+    total = total.max() if inf else total.sum()
     return total if inf else total ** (1.0 / p)
+
+
+def _weighted(by_copies: dict[int, list[torch.Tensor]], p: float, device: torch.device):
+    """max |g| or sum |g|^p of the grads, each divided by its ``copies`` (p finite)."""
+    if p == float("inf"):
+        return torch.stack([_local(gs, p, device) for gs in by_copies.values()]).max()
+    return torch.stack([_local(gs, p, device) / c for c, gs in by_copies.items()]).sum()
 
 
 def _local(grads: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:

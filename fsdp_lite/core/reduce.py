@@ -53,7 +53,7 @@ def reduce_scatter(
     grad = flat.take_grad()
     if grad is None:
         return None
-    ranks = flat.world_size * flat.replicas  # averaged over
+    ranks = flat.averaged_over
     with torch.no_grad():
         pieces = reduce_pieces(grad.numel(), grad.dtype, reduce_dtype, even=flat.rank_sizes is None)
         if pieces > 1:  # by columns of the (W, shard) layout

@@ -46,6 +46,7 @@ from fsdp_lite.core.state import TrainingState, in_backward
 from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of, units_of, unwrap
 from fsdp_lite.core.unit import Unit, outside_inference_mode
 from fsdp_lite.core.unit_init import (
+    average_over_root,
     check_initialized,
     check_parallelized_before,
     check_replicas_agree,
@@ -111,6 +112,7 @@ class Root:
             u.set_name(path or f"<root {type(u.module).__name__}>")
         for u in units:  # each raises on every rank alike; the next forward checks again
             check_parallelized_before(u)
+            average_over_root(u, unit)
             check_replicas_agree(u)
             check_initialized(u)
         # The ignored parameters of the tree, whose gradients this root averages (ignored.py).

@@ -260,6 +260,43 @@ def check_initialized(unit: Unit) -> None:
     )
 
 
+def average_over_root(unit: Unit, root: Unit) -> None:
+    """A unit wrapped over a smaller mesh than its root's (experts sharded over dp / ep,
+    FSDP2's ``dp_shard_mod_ep``): its gradients are averaged over the root's data-parallel
+    ranks, which the unit's groups and its DTensors' expert-parallel dims span together
+    (the gradient of an expert already sums the tokens of every ep rank). Anything else
+    would train replicas that never agree: refused, on every rank alike."""
+    want = _dp_size(root)
+    if unit is root or _dp_size(unit) == want:
+        for flat in unit.flat_params:
+            flat.averaged_over = _dp_size(unit)
+        return
+    dp_ranks = set(collectives.global_ranks(root.process_group))
+    if root.replicate_group is not None:
+        dp_ranks |= set(collectives.global_ranks(root.replicate_group))
+    for flat in unit.flat_params:
+        for slot in flat.slots:
+            spans = 1 if slot.layout is None else dtensors.data_parallel_size(slot.layout, dp_ranks)
+            if _dp_size(unit) * spans != want:
+                raise ValueError(
+                    f"fsdp_lite: unit '{unit.name}' shards over {_dp_size(unit)} ranks, its root "
+                    f"over {want}, and its parameter '{slot.name}' spans {spans} more through "
+                    "expert-parallel mesh dims: the other ranks would hold replicas of it that "
+                    "no reduction averages. Give the unit the root's mesh, a (replicate, "
+                    "shard) mesh, or make the parameter a DTensor on the ep dim that takes "
+                    "the rest (experts: mesh=world['dp_shard_mod_ep'], weights Shard(0) on "
+                    "world['ep'])"
+                )
+        flat.averaged_over = want
+
+
+def _dp_size(unit: Unit) -> int:
+    replicas = unit.replicate_group
+    return collectives.world_size(unit.process_group) * (
+        collectives.world_size(replicas) if replicas is not None else 1
+    )
+
+
 def check_parallelized_before(unit: Unit) -> None:
     """At the first forward: refuse a tensor-parallel plan applied after wrapping. Its
     ``parallelize_module`` found no parameters at the unit's modules (they hold placeholders

@@ -168,12 +168,57 @@ def _hf_pretrained(tmp: str) -> None:
         torch.testing.assert_close(value, want[key], rtol=0, atol=0, msg=key)
 
 
+@functools.cache
+def _ep_mesh() -> DeviceMesh:
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+
+
+@functools.cache
+def _world() -> DeviceMesh:
+    return init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+
+
+def _wrap_moe(model: tp_models.MoE, expert_parallel: bool = True) -> fsdp_lite.FSDPModule:
+    """Experts split over ep=2, sharded over the 2 ranks of dp_shard_mod_ep; the rest over
+    all 4 ranks: no gradient divisor set anywhere."""
+    if expert_parallel:
+        tp_models.shard_experts(model, _ep_mesh()["ep"])
+    model.experts = fsdp_lite.FSDPModule(model.experts, mesh=_ep_mesh()["dp_shard_mod_ep"])
+    return fsdp_lite.FSDPModule(model, mesh=_world()["dp"])
+
+
+def _moe_run(name: str, **kw) -> Run:
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(8, 4, 8, generator=g), torch.randn(8, 4, 8, generator=g)
+
+    return Run(
+        name,
+        make_model=tp_models.MoE,
+        batch=batch,
+        loss=lambda m, b: F.mse_loss(m(b[0]), b[1]),
+        wrap=_wrap_moe,
+        steps=STEPS,
+        **kw,
+    )
+
+
+def _smaller_mesh_without_experts() -> None:
+    """A unit over 2 of the root's 4 ranks whose parameters are plain: refused at the first
+    forward (the ranks outside would hold replicas no reduction averages)."""
+    model = _wrap_moe(tp_models.MoE(), expert_parallel=False)
+    with pytest.raises(ValueError, match="no reduction averages"):
+        model(torch.randn(2, 4, 8))
+
+
 def _training_runs() -> list[Run]:
     bf16 = fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16)
     return [
         _mlp_run(),
         _gpt_run(),
         _hf_llama_run(),
+        _moe_run("MoE: experts over dp_shard_mod_ep x ep, the rest over dp4"),
+        _moe_run("MoE, clip norm", clip=0.05),
         _transformer_run("transformer, TP", sp=False),
         _transformer_run("transformer, TP + SP", sp=True),
         _transformer_run("transformer, TP + SP, tied embeddings", sp=True, tied=True),
@@ -390,6 +435,7 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
         ("refused: parallelize_module after wrapping", _parallelized_after_wrapping),
         ("refused: a DTensor on the dp dim", _dtensor_on_the_dp_dim),
         ("refused: a DTensor whose mesh leaves this rank out", _dtensor_off_this_rank),
+        ("refused: a unit over a smaller mesh, no expert dim", _smaller_mesh_without_experts),
         ("full optimizer state dict: unwrapped shapes, loads back", _full_optim_state),
         ("HF save_pretrained / load_pretrained", functools.partial(_hf_pretrained, tmp)),
         *[

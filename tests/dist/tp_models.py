@@ -8,10 +8,11 @@ sequence parallel (norms on sequence shards) on or off, and tied or untied embed
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -124,4 +125,52 @@ def parallelize_mlp(model: nn.Sequential, tp: DeviceMesh) -> nn.Sequential:
         "0": ColwiseParallel(), "2": RowwiseParallel(),
         "4": ColwiseParallel(output_layouts=Replicate()),
     })  # fmt: skip
+    return model
+
+
+# -- experts on their own mesh ---------------------------------------------------------
+
+EXPERTS = 2
+
+
+class Experts(nn.Module):
+    """Dense mixture of experts: every token goes through every expert, weighted by its
+    gate. With ``weight`` a DTensor sharded over an ep mesh, each rank computes its own
+    experts for the tokens of every ep rank (all-gathered), and the outputs go back to
+    their ranks summed (reduce-scatter): expert parallelism without the routing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(EXPERTS, DIM, DIM) * 0.2)  # (E, C, C)
+
+    def forward(self, x: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not isinstance(w, DTensor):  # (B, T, C), (B, T, E)
+            return torch.einsum("bte,ecd,btd->btc", gates, w, x)
+        ep = w.device_mesh
+        local = w.to_local()  # (E / ep, C, C): this rank's experts
+        first = ep.get_local_rank() * local.shape[0]
+        xs = funcol.all_gather_tensor_autograd(x, 0, ep)  # (ep * B, T, C)
+        gs = funcol.all_gather_tensor_autograd(gates, 0, ep)[..., first : first + local.shape[0]]
+        y = torch.einsum("bte,ecd,btd->btc", gs, local, xs)
+        return funcol.reduce_scatter_tensor_autograd(y, "sum", 0, ep)  # (B, T, C)
+
+
+class MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, DIM)
+        self.gate = nn.Linear(DIM, EXPERTS)
+        self.experts = Experts()
+        self.head = nn.Linear(DIM, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        return self.head(h + self.experts(h, torch.softmax(self.gate(h), dim=-1)))
+
+
+def shard_experts(model: MoE, ep: DeviceMesh) -> MoE:
+    """The experts' weight as a DTensor split by expert over ``ep``."""
+    weight = model.experts.weight.detach()
+    model.experts.weight = nn.Parameter(distribute_tensor(weight, ep, [Shard(0)]))
     return model
