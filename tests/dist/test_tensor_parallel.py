@@ -451,3 +451,44 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
 
 def test_tensor_parallel_dp2_tp2(tmp_path) -> None:
     assert_subtests_passed(run_distributed(_cases, 4, str(tmp_path), timeout=900))
+
+
+# -- HSDP x TP at W=8 --------------------------------------------------------------------
+
+
+@functools.cache
+def _mesh3() -> DeviceMesh:
+    return init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+
+
+def _hsdp_slice() -> tuple[int, int]:
+    mesh = _mesh3()
+    return mesh["replicate"].get_local_rank() * 2 + mesh["shard"].get_local_rank(), 4
+
+
+def _wrap_hsdp_tp(model: Transformer) -> fsdp_lite.FSDPModule:
+    tp_models.parallelize(model, _mesh3()["tp"], sp=True)
+    policy = fsdp_lite.wrap.by_type(Block)
+    dp = _mesh3()["replicate", "shard"]
+    return fsdp_lite.FSDPModule(model, mesh=dp, auto_wrap_policy=policy)
+
+
+def _hsdp_cases(rank: int, world: int) -> dict:
+    runs = [
+        Run(
+            f"HSDP (replicate 2 x shard 2) x TP 2 + SP{', clip norm' if clip else ''}",
+            make_model=Transformer,
+            batch=_tokens,
+            loss=_lm_loss,
+            wrap=_wrap_hsdp_tp,
+            steps=STEPS,
+            data_slice=_hsdp_slice,
+            clip=clip,
+        )
+        for clip in (None, 0.05)
+    ]
+    return compare_runs(runs)
+
+
+def test_hsdp_x_tensor_parallel_w8() -> None:
+    assert_subtests_passed(run_distributed(_hsdp_cases, 8, timeout=900))
