@@ -327,10 +327,10 @@ def check_world(cfg: Config, world_size: int) -> None:
         )
     dp = world_size // tp  # the ranks that see different data
     if f.shard_size is not None and dp % f.shard_size:
+        over = f" over parallel.tp={tp} (= {dp})" if tp > 1 else ""
         raise ConfigError(
-            f"fsdp.shard_size={f.shard_size} must divide the data-parallel size {dp} (the world "
-            f"size {world_size} over parallel.tp={tp}): hybrid sharding needs equal shard "
-            "groups (use e.g. the number of GPUs per node)"
+            f"fsdp.shard_size={f.shard_size} must divide the world size {world_size}{over}: "
+            "hybrid sharding needs equal shard groups (use e.g. the number of GPUs per node)"
         )
     if t.global_batch_size is not None:
         per_micro = t.batch_size * dp

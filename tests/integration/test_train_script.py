@@ -73,14 +73,15 @@ def torchrun(
     config: Path = CONFIG,
     base: tuple[str, ...] = tuple(TINY),
     ok: bool = True,
+    nproc: int = 2,
 ) -> str:
-    """Run the script on 2 ranks in ``cwd`` with ``config`` and the ``base`` overrides
-    (the tiny GPT's by default), then ``args``; return its output (raise if it failed, or
-    with ``ok=False`` if it did not)."""
+    """Run the script on ``nproc`` ranks in ``cwd`` with ``config`` and the ``base``
+    overrides (the tiny GPT's by default), then ``args``; return its output (raise if it
+    failed, or with ``ok=False`` if it did not)."""
     cmd = [
         str(Path(sys.executable).parent / "torchrun"),
         "--standalone",
-        "--nproc_per_node=2",
+        f"--nproc_per_node={nproc}",
         f"--max-restarts={restarts}",
         "--monitor-interval=0.5",
         str(SCRIPT),
@@ -216,6 +217,28 @@ def test_feature_knobs_train_checkpoint_and_match_theoretical_comm(tmp_path: Pat
     assert summary["units"] > 1 and summary["last_loss"] < summary["first_loss"]
     assert summary["comm_bytes_per_step"] == pytest.approx(summary["comm_bytes_theory"], 0.01)
     assert (tmp_path / "checkpoints" / "knobs" / "step_0000008" / ".metadata").is_file()
+
+
+def test_tensor_parallel_run_continues_without_tp(tmp_path: Path) -> None:
+    """parallel.tp=2 on 4 ranks (dp 2 x tp 2, no dropout: TP ranks draw other masks): the
+    loss falls and the comm matches its theory on local sizes; its mid-run checkpoint,
+    resumed on 2 ranks without TP, repeats the TP run's later losses."""
+    knobs = ["model.dropout=0.0", "train.steps=8", "checkpoint.every=4"]
+    out = torchrun(tmp_path, "tp", *knobs, "parallel.tp=2", nproc=4)
+    assert "on this rank (parallel.tp=2): measured/theory 1.0" in out, out
+    summary = json.loads((tmp_path / "runs" / "tp" / "summary.json").read_text())
+    assert summary["last_loss"] < summary["first_loss"]
+    (tmp_path / "checkpoints" / "dp").mkdir(parents=True)
+    shutil.copytree(
+        tmp_path / "checkpoints" / "tp" / "step_0000004",
+        tmp_path / "checkpoints" / "dp" / "step_0000004",
+    )
+    torchrun(tmp_path, "dp", *knobs, "--resume")
+    tp_losses = scalars(tmp_path / "runs" / "tp", "loss")[4:]
+    dp_losses = scalars(tmp_path / "runs" / "dp", "loss")
+    assert [s for s, _ in dp_losses] == [s for s, _ in tp_losses]
+    for (step, a), (_, b) in zip(dp_losses, tp_losses, strict=True):
+        assert a == pytest.approx(b, rel=1e-5), (step, a, b)
 
 
 def test_compiled_blocks_train_like_eager_blocks(tmp_path: Path) -> None:
@@ -402,6 +425,9 @@ def test_make_train_twice_gives_two_runs_side_by_side(tmp_path: Path) -> None:
         (["model.n_embd=30"], 2, "model.n_embd must be a multiple of n_head, got 30"),
         (["fsdp.offload=gpu"], 2, "fsdp.offload must be none or cpu or ssd, got 'gpu'"),
         (["fsdp.shard_size=2"], 3, "fsdp.shard_size=2 must divide the world size 3"),
+        (["parallel.tp=2"], 3, "parallel.tp=2 must divide the world size 3"),
+        (["parallel.tp=3"], 3, "parallel.tp must be >= 1 and divide model.n_head, got 3"),
+        (["parallel.tp=2", "optim.name=muon"], 4, "parallel.tp must be 1 with model.hf"),
         (
             ["train.global_batch_size=64"],
             3,
