@@ -58,7 +58,7 @@ lint: venv
 # the step at W=2 (ARGS go to it), host overhead per unit, per-rank memory at W=8/64/512,
 # and compiled vs eager blocks. Each part also runs alone: make bench-host, ...
 #   make bench [ARGS='--steps 10 --precisions fp32']
-.PHONY: bench bench-step bench-accum bench-host bench-scale bench-compile bench-lora bench-muon
+.PHONY: bench bench-step bench-accum bench-2d bench-host bench-scale bench-compile bench-lora bench-muon
 bench: bench-step bench-host bench-scale bench-compile
 
 bench-step: venv
@@ -69,6 +69,12 @@ bench-step: venv
 bench-accum: venv
 	$(BIN)/python scripts/bench.py --micro 8 --systems fsdp_lite,fsdp2 --batch 1 --seq 128 \
 		--steps 10 --rounds 3 $(ARGS)
+
+# 2-D: fsdp_lite + TP against FSDP2 + TP (the GPT's Megatron plan, tp 2 x dp 2), W=4 gloo;
+# step time, peak and fsdp_lite's FSDP bytes against their floor (~6 min).
+bench-2d: venv
+	$(BIN)/python scripts/bench.py --tp 2 --world-size 4 --systems fsdp_lite,fsdp2 \
+		--layers 4 --dim 128 --seq 128 --batch 2 --steps 10 --rounds 5 $(ARGS)
 
 # Fake process group, W=8, 64 tiny blocks: what each system adds per unit (~2 min).
 bench-host: venv

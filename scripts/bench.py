@@ -4,6 +4,7 @@
         [--precisions fp32,bf16] [--steps 20 --warmup 3] [--world-size 2] [--threads 1]
     make bench ARGS='--steps 10'
     make bench-accum      # --micro 8: gradient accumulation, fsdp_lite against FSDP2
+    make bench-2d         # --tp 2 --world-size 4: fsdp_lite + TP against FSDP2 + TP
 
 Each (system, precision) runs in freshly spawned ranks (gloo on CPU; NCCL when every rank
 has a GPU) on the same model (same seed, built before wrapping) and the same data. Per
@@ -33,11 +34,13 @@ from fsdp_lite.testing.models import GPT  # noqa: E402
 
 MARKERS = "<!-- bench:begin -->", "<!-- bench:end -->"
 ACCUM_MARKERS = "<!-- bench-accum:begin -->", "<!-- bench-accum:end -->"
+TP_MARKERS = "<!-- bench-2d:begin -->", "<!-- bench-2d:end -->"
 COLUMNS = (
     "system", "ms/step", "vs FSDP2", "CPU ms/step", "vs FSDP2", "tokens/s", "peak MiB",
     "vs FSDP2", "resident MiB", "RSS MiB", "vs FSDP2", "comm MiB/step", "vs FSDP2",
     "vs floor", "loss@0", "loss@last",
 )  # fmt: skip
+TP_SYSTEMS = {"fsdp_lite", "fsdp_lite-nocheck", "fsdp2"}
 RATIO_KEYS = ("median_step_s", "median_cpu_s", "peak_bytes", "rss_peak_bytes", "comm_wire_bytes")
 
 
@@ -56,9 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="torch threads per rank (default: cores // W)"
     )
     bm.add_config_args(
-        p, BenchConfig(), ("layers", "dim", "heads", "seq", "batch", "micro", "vocab", "seed"),
+        p, BenchConfig(),
+        ("layers", "dim", "heads", "seq", "batch", "micro", "tp", "vocab", "seed"),
         helps={
             "batch": "sequences per rank per micro-batch",
+            "tp": "tensor-parallel degree (a dp x tp mesh; fsdp_lite and fsdp2 only)",
             "micro": "micro-batches per step (each system accumulating at its best)",
         },
     )  # fmt: skip
@@ -71,8 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.precisions = bm.pick(args.precisions, PRECISIONS, "--precisions")
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.world_size)
+    if args.tp > 1 and (args.world_size % args.tp or set(args.systems) - TP_SYSTEMS):
+        p.error(f"--tp must divide --world-size and needs --systems among {sorted(TP_SYSTEMS)}")
     if args.json is None:
-        tail = "_accum.json" if args.micro > 1 else ".json"
+        tail = "_2d.json" if args.tp > 1 else "_accum.json" if args.micro > 1 else ".json"
         args.json = args.out.with_name(args.out.stem + tail)
     if min(args.steps, args.profile_steps, args.world_size, args.rounds) < 1 or args.warmup < 0:
         p.error("need --steps, --profile-steps, --world-size, --rounds >= 1 and --warmup >= 0")
@@ -125,7 +132,7 @@ def summarize(ranks: list[dict[str, Any]], cfg: BenchConfig, world: int) -> dict
         "median_step_s": median,
         "min_step_s": min(per_step),
         "median_cpu_s": statistics.median(bm.slowest_per_step(r["step_cpu_s"] for r in ranks)),
-        "tokens_per_s": world * cfg.batch * cfg.micro * cfg.seq / median,
+        "tokens_per_s": world // cfg.tp * cfg.batch * cfg.micro * cfg.seq / median,
         "peak_bytes": max(r["memory"]["peak_bytes"] for r in ranks),
         "resident_bytes": max(r["memory"]["resident_bytes"] for r in ranks),
         "rss_peak_bytes": max(r["rss_peak_bytes"] for r in ranks),
@@ -220,6 +227,29 @@ def library_lines(results: dict[str, dict[str, dict]]) -> list[str]:
     return lines
 
 
+def fsdp_bytes_lines(results: dict[str, dict[str, dict]], dp: int) -> list[str]:
+    """Under TP: fsdp_lite's own collectives (TP's are DTensor's, uncounted) against their
+    floor on this rank's local parameters: 2 gathers (the root's once: it stays gathered
+    for backward) in the compute dtype and 1 reduce-scatter in fp32, full-buffer bytes."""
+    lines = []
+    for precision, by_system in results.items():
+        r = by_system.get("fsdp_lite")
+        if not r or not r.get("library"):
+            continue
+        comm = r["library"]["last_step"].get("collectives", {})
+        got = sum(comm[op]["bytes"] for op in ("all_gather", "reduce_scatter") if op in comm)
+        rank = r["ranks"][0]
+        psi, root = rank["num_params_local"] * dp, rank["root_params_local"] * dp
+        compute = 2 if precision == "bf16" else 4
+        floor = (2 * psi - root) * compute + psi * 4
+        lines.append(
+            f"- {precision}: fsdp_lite's FSDP collectives {got / bm.MIB:.3f} MiB/step/rank "
+            f"(full buffers) vs their floor on the local Ψ = {psi:,} (padded) "
+            f"{floor / bm.MIB:.3f} MiB: {got / floor:.3f}x"
+        )
+    return lines
+
+
 def report(
     args: argparse.Namespace, cfg: BenchConfig, results: dict, info: dict, markers: tuple
 ) -> str:
@@ -227,6 +257,7 @@ def report(
     psi, m = info["num_params"], info["machine"]
     micro = f" x {cfg.micro} micro-batches, each system accumulating at its best"
     micro = micro if cfg.micro > 1 else ""
+    tp = f"TP {cfg.tp} (parallelize_gpt) x dp {args.world_size // cfg.tp}, " if cfg.tp > 1 else ""
     lines = [
         markers[0],
         f"{bm.run_line(info['date'], m, gpu=True)}, load average at start {m['load_avg']}, "
@@ -236,6 +267,7 @@ def report(
         "",
         f"GPT: {cfg.layers} blocks, dim {cfg.dim}, {cfg.heads} heads, seq {cfg.seq}, "
         f"batch {cfg.batch}/rank{micro}, vocab {cfg.vocab}, tied embedding, "
+        f"{tp}"
         f"Ψ = {psi:,} parameters"
         f"{', every block activation-checkpointed' if cfg.checkpoint else ''}; "
         f"W={args.world_size} ({info['backend']}), {cfg.threads} thread(s)/rank, AdamW; "
@@ -246,11 +278,17 @@ def report(
     ]
     for precision, by_system in results.items():
         floor = zero3_floor(psi, precision, args.world_size)
+        if cfg.tp > 1:  # the dp ranks' floor on one rank's local parameters
+            dp = args.world_size // cfg.tp
+            local = next(iter(by_system.values()))["ranks"][0]["num_params_local"] * dp
+            floor = zero3_floor(local, precision, dp)
         lines += table(precision, by_system, floor)
         lines += ["", loss_check(precision, by_system), ""]
     lib = library_lines(results)
     if lib:
         lines += ["fsdp_lite's own accounting:", "", *lib, ""]
+    if cfg.tp > 1:
+        lines += [*fsdp_bytes_lines(results, args.world_size // cfg.tp), ""]
     lines.append(markers[1])
     return "\n".join(lines)
 
@@ -264,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     info["config"] = dataclasses.asdict(cfg)
     results = run_all(args, cfg)
     info["load_avg_end"] = bm.load_avg()
-    markers = MARKERS if cfg.micro == 1 else ACCUM_MARKERS
+    markers = TP_MARKERS if cfg.tp > 1 else MARKERS if cfg.micro == 1 else ACCUM_MARKERS
     block = report(args, cfg, results, info, markers)
     bm.publish(block, {"info": info, "results": results}, args, markers, "bench")
 

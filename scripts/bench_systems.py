@@ -20,7 +20,7 @@ from torch import nn
 from torch.profiler import record_function
 
 import fsdp_lite
-from fsdp_lite.testing.models import GPT, Block, GPTConfig
+from fsdp_lite.testing.models import GPT, Block, GPTConfig, parallelize_gpt
 
 SYSTEMS = ("fsdp_lite", "fsdp_lite-nocheck", "fsdp2", "fsdp1", "ddp")
 # fsdp_lite-nocheck: fsdp_lite with its divergence check off, to price the check.
@@ -46,6 +46,9 @@ class BenchConfig:
     # FSDP2 with set_requires_gradient_sync / set_reshard_after_backward(False) before the
     # last, FSDP1 and DDP under no_sync.
     micro: int = 1
+    # Tensor-parallel degree: the GPT's Megatron plan (parallelize_gpt) on the tp dim of a
+    # (dp, tp) mesh, the system sharding over dp (fsdp_lite and FSDP2 only).
+    tp: int = 1
     vocab: int = 4096
     checkpoint: bool = False  # activation checkpointing of every block, in every system
     steps: int = 20  # timed steps
@@ -110,6 +113,13 @@ def _wrap(system: str, precision: str, cfg: BenchConfig, device: torch.device) -
         _checkpoint_blocks(model)
     bf16 = precision == "bf16"
     world = dist.get_world_size()
+    dp_mesh = None
+    if cfg.tp > 1:  # TP on the tp dim, the system over dp
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
+        parallelize_gpt(model, mesh["tp"])
+        dp_mesh = mesh["dp"]
     if system.startswith("fsdp_lite"):
         fsdp_lite.core.divergence.set_divergence_check(
             "off" if system.endswith("nocheck") else "cheap"
@@ -120,18 +130,21 @@ def _wrap(system: str, precision: str, cfg: BenchConfig, device: torch.device) -
             auto_wrap_policy=fsdp_lite.wrap.by_type(Block),
             mixed_precision=mp if bf16 else None,
             device=device,
+            mesh=dp_mesh,
             **LAYOUTS.get(system, {}),
         )
     if system == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(device.type, (world,))
+        mesh = dp_mesh or init_device_mesh(device.type, (world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         policy = mp if bf16 else MixedPrecisionPolicy()
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         return fully_shard(model, mesh=mesh, mp_policy=policy)
+    if cfg.tp > 1:
+        raise ValueError(f"--tp: fsdp_lite and fsdp2 only, not {system}")
     if system == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -236,6 +249,8 @@ def timed_pass(
         "comm_per_step": bm.per_step(counts, cfg.steps),
         "library": lib.summary(times, model),
         "num_params_local": sum(p.numel() for p in model.parameters()),
+        # fsdp_lite: the root unit's own shards (its full params stay gathered for backward)
+        "root_params_local": sum(p.numel() for p in model.parameters(recurse=False)),
     }
 
 
@@ -266,7 +281,7 @@ def rank_main(rank: int, world: int, system: str, precision: str, cfg: BenchConf
     """One rank of a case (``bench_measure.spawn_ranks`` runs it): timed pass, then
     profiled pass."""
     device = bm.rank_device()
-    batches = make_batches(cfg, rank, cfg.warmup + cfg.steps, device)
+    batches = make_batches(cfg, rank // cfg.tp, cfg.warmup + cfg.steps, device)  # by dp rank
     result = timed_pass(system, precision, cfg, device, batches)
     result["rss_peak_bytes"] = bm.max_rss_bytes()
     gc.collect()
