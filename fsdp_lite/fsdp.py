@@ -20,19 +20,14 @@ from fsdp_lite.addons import state_dict as _state_dict
 from fsdp_lite.addons import state_dict_type as _sdt
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
 from fsdp_lite.core import collectives, deferred_init, devices, ignored, ownership, root
+from fsdp_lite.core.checks import check_dtensors, check_wrappable
 from fsdp_lite.core.grads import nonfinite_units, scale_, total_norm
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.policies import MixedPrecision, PrefetchPolicy, resolve_optimizer_params
 from fsdp_lite.core.state import TrainingState, check_state
 from fsdp_lite.core.tree import SHARDED_FLAG, UNIT_ATTR, named_as_unwrapped, units_of
 from fsdp_lite.core.unit import Unit
-from fsdp_lite.core.unit_init import (
-    build_flat_params,
-    check_dtensors,
-    check_wrappable,
-    install_fp32_modules,
-    prepare_buffers,
-)
+from fsdp_lite.core.unit_init import build_flat_params, install_fp32_modules, prepare_buffers
 from fsdp_lite.core.wrap import Policy, apply_policy, unowned_parameters
 
 DEFAULT_PREFETCH = PrefetchPolicy()

@@ -38,6 +38,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import fsdp_lite
+from fsdp_lite.testing.memory import QuietProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -356,7 +357,7 @@ def memory_profile(device: torch.device) -> profile:
     ``device``, on it. Start it before the model exists: then the running sum of its
     events is the tensor memory live on this rank."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    return profile(activities=acts, profile_memory=True)
+    return QuietProfile(activities=acts, profile_memory=True)
 
 
 def peak_from_profile(

@@ -15,13 +15,15 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # measure this checkout's fsdp_lite
 
 import bench_measure as bm  # noqa: E402
 import bench_systems as bs  # noqa: E402
+
+from fsdp_lite.testing.memory import QuietProfile  # noqa: E402
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> str | None:
@@ -33,7 +35,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> str | None:
     autocast = args.system == "ddp" and args.precision == "bf16"
     for batch in batches[: args.warmup]:
         bs.train_step(model, opt, batch, autocast)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with QuietProfile(activities=[ProfilerActivity.CPU]) as prof:
         for batch in batches[args.warmup :]:
             bs.train_step(model, opt, batch, autocast)
     if rank != 0:

@@ -22,7 +22,7 @@ tensors on meta -- one that writes into real tensors in place, or ``no_init`` --
 called again on real, NaN-filled storage. Either way every ``empty`` allocation made
 while it runs is NaN (``_EmptyIsNaN``), so storage no init writes stays NaN, and the
 first forward of the unit refuses NaN shards naming the parameters
-(``unit_init.check_initialized``), unless a load wrote them since. While the plan is made,
+(``checks.check_initialized``), unless a load wrote them since. While the plan is made,
 the function runs on a shallow copy of each module with meta copies of its own tensors,
 so the RNG advances as it will when the unit materializes the module.
 
@@ -211,7 +211,7 @@ def allocates_empty(fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
 class _EmptyIsNaN(TorchDispatchMode):
     """Within the block, every new floating-point tensor made with ``empty`` (what
     ``to_empty`` allocates) is NaN, never whatever memory held: storage no init writes
-    stays NaN, which the first forward refuses (``unit_init.check_initialized``)."""
+    stays NaN, which the first forward refuses (``checks.check_initialized``)."""
 
     def __torch_dispatch__(
         self,

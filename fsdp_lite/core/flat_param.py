@@ -92,8 +92,8 @@ class FlatParam:
         self.replicate_group = replicate_group
         self.replicas = collectives.world_size(replicate_group) if replicate_group else 1
         # How many ranks' gradients the reduction averages: the groups' ranks, or for a unit
-        # over a smaller mesh than its root's (experts over dp / ep), the root's: set by
-        # ``unit_init.average_over_root``.
+        # over a smaller mesh than its root's (experts over dp / ep), the root's
+        # (``Unit.average_grads_over``, as ``checks.mesh_divisor`` says).
         self.averaged_over = self.world_size * self.replicas
         self.compute_dtype = compute_dtype
         self.requires_grad = originals[0].requires_grad

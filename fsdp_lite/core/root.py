@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from fsdp_lite.core import accounting, collectives, devices, divergence, ignored, schedule
+from fsdp_lite.core.checks import check_at_first_forward
 from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.nested import cast_floats, tensors_in
 from fsdp_lite.core.optimizer_check import loose_parameters, shapes_of
@@ -45,12 +46,6 @@ from fsdp_lite.core.reduce import PendingGrad
 from fsdp_lite.core.state import TrainingState, in_backward
 from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of, units_of, unwrap
 from fsdp_lite.core.unit import Unit, outside_inference_mode
-from fsdp_lite.core.unit_init import (
-    average_over_root,
-    check_initialized,
-    check_parallelized_before,
-    check_replicas_agree,
-)
 
 
 def register_hooks(unit: Unit) -> None:
@@ -111,10 +106,7 @@ class Root:
             path = names.get(id(unwrap(u.module)), "")
             u.set_name(path or f"<root {type(u.module).__name__}>")
         for u in units:  # each raises on every rank alike; the next forward checks again
-            check_parallelized_before(u)
-            average_over_root(u, unit)
-            check_replicas_agree(u)
-            check_initialized(u)
+            check_at_first_forward(u, unit)
         # The ignored parameters of the tree, whose gradients this root averages (ignored.py).
         self.replicas = ignored.Replicas(
             unit.module, unit.process_group, unit.replicate_group, unit.name

@@ -146,6 +146,12 @@ class Unit:
         for flat in self.flat_params:
             flat.name_unit(name, id(self))
 
+    def average_grads_over(self, ranks: int) -> None:
+        """Its gradients are averaged over ``ranks`` data-parallel ranks (the root says how
+        many: ``checks.mesh_divisor``)."""
+        for flat in self.flat_params:
+            flat.averaged_over = ranks
+
     # -- forward -------------------------------------------------------------------
 
     def start_forward(self) -> bool:

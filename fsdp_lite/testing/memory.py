@@ -20,6 +20,8 @@ until its address is reused. Under the fake process group every free is on this 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -29,6 +31,33 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 _STEP = "fsdp_lite::measured_step"
+
+
+class QuietProfile(profile):
+    """``torch.profiler.profile`` that does not print kineto's ``USDT:`` lines: kineto
+    writes one to stderr at each start and stop whatever ``KINETO_LOG_LEVEL`` says, so
+    stderr is pointed at /dev/null for those two calls only."""
+
+    def start(self) -> None:
+        with _stderr_silenced():
+            super().start()
+
+    def stop(self) -> None:
+        with _stderr_silenced():
+            super().stop()
+
+
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 @dataclass
@@ -49,7 +78,7 @@ class MemoryRecorder:
         activities = [ProfilerActivity.CPU]
         if torch.device(self.device).type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        self._prof = profile(activities=activities, profile_memory=True)
+        self._prof = QuietProfile(activities=activities, profile_memory=True)
         self._prof.__enter__()
         return self
 

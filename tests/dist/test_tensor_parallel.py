@@ -10,6 +10,7 @@ DTensor ones over tp too), full parameters at the end. Then what users do around
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 from tp_models import SEQ, VOCAB, Block, Transformer
 
 import fsdp_lite
@@ -65,15 +66,24 @@ def _lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
     return F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
 
 
-def _wrap_transformer(model: Transformer, sp: bool, **kw) -> fsdp_lite.FSDPModule:
+def _wrap_transformer(
+    model: Transformer, sp: bool, checkpointing: bool = False, **kw
+) -> fsdp_lite.FSDPModule:
+    """TP (and SP) first, then activation checkpointing per block, then a unit per
+    (checkpointed) block: torchtitan's order."""
     mesh = _mesh()
     tp_models.parallelize(model, mesh["tp"], sp)
-    policy = fsdp_lite.wrap.by_type(Block)
+    unit = Block
+    if checkpointing:
+        fsdp_lite.apply_activation_checkpointing(model, fsdp_lite.wrap.by_type(Block))
+        unit = fsdp_lite.CheckpointWrapper
+    policy = fsdp_lite.wrap.by_type(unit)
     return fsdp_lite.FSDPModule(model, mesh=mesh["dp"], auto_wrap_policy=policy, **kw)
 
 
 def _transformer_run(name: str, sp: bool, tied: bool = False, **kw) -> Run:
-    wrap_kw = {k: kw.pop(k) for k in ("mixed_precision", "optimizer_params") if k in kw}
+    wrap_keys = ("mixed_precision", "optimizer_params", "checkpointing")
+    wrap_kw = {k: kw.pop(k) for k in wrap_keys if k in kw}
     return Run(
         name,
         make_model=functools.partial(Transformer, tied=tied),
@@ -227,9 +237,45 @@ def _training_runs() -> list[Run]:
                          mixed_precision=bf16, tol=BF16_THIS_MODEL),
         _transformer_run("transformer, TP + SP, clip norm", sp=True, clip=0.05),
         _transformer_run("transformer, TP + SP, no_sync accumulation", sp=True, accumulate=2),
+        _transformer_run("transformer, TP + SP, activation checkpointing", sp=True,
+                         checkpointing=True),
         _transformer_run("transformer, TP + SP, optimizer_params='pieces'", sp=True,
                          optimizer_params="pieces"),
     ]  # fmt: skip
+
+
+def _loss_parallel() -> None:
+    """A head left vocab-sharded (a DTensor output) with torch's ``loss_parallel``: the
+    cross-entropy over vocab shards trains as the unparallelized model does."""
+    torch.manual_seed(0)
+    ref = Transformer()
+    model = copy.deepcopy(ref)
+    tp_models.parallelize(model, _mesh()["tp"], sp=False, loss_parallel=True)
+    model = fsdp_lite.FSDPModule(
+        model, mesh=_mesh()["dp"], auto_wrap_policy=fsdp_lite.wrap.by_type(Block)
+    )
+    ref_opt, opt = _adamw(ref), _adamw(model)
+    index, parts = _dp_slice()
+    for step in range(STEPS):
+        x, y = _tokens(step)
+        want = _lm_loss(ref, (x, y))
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        x, y = x.chunk(parts)[index], y.chunk(parts)[index]
+        with loss_parallel():
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        got = loss.full_tensor().detach().clone()
+        dist.all_reduce(got)
+        got = got.item() / dist.get_world_size()
+        assert abs(got - want.item()) <= 1e-5 * want.item(), (step, got, want.item())
+    state = model.state_dict()
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=1e-5, msg=key)
 
 
 def _state_dicts() -> None:
@@ -429,6 +475,7 @@ def _full_optim_state() -> None:
 def _cases(rank: int, world: int, tmp: str) -> dict:
     results = compare_runs(_training_runs())
     results.update(run_subtests([
+        ("loss_parallel over a vocab-sharded head", _loss_parallel),
         ("state_dict: full plain tensors; load_state_dict", _state_dicts),
         ("summon_full_params: DTensors as before wrapping, writeback", _summon),
         ("steady state: no host sync, FSDP collectives apart from TP's", _steady_state),

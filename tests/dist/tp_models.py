@@ -83,13 +83,22 @@ class Transformer(nn.Module):
         return self.head(self.norm(x))
 
 
-def parallelize(model: Transformer, tp: DeviceMesh, sp: bool) -> Transformer:
+def parallelize(
+    model: Transformer, tp: DeviceMesh, sp: bool, loss_parallel: bool = False
+) -> Transformer:
     """torchtitan's plan: colwise q/k/v/w1, rowwise wo/w2, a rowwise embedding and a
-    colwise head; with ``sp`` the norms work on sequence shards between them."""
+    colwise head; with ``sp`` the norms work on sequence shards between them; with
+    ``loss_parallel`` the logits stay a DTensor sharded on the vocab (torch's
+    ``loss_parallel`` takes them)."""
     seq = Shard(1) if sp else Replicate()
+    head = (
+        ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+        if loss_parallel
+        else ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    )
     parallelize_module(model, tp, {
         "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        "head": head,
         **({"norm": SequenceParallel()} if sp else {}),
     })  # fmt: skip
     for block in model.layers:
