@@ -248,9 +248,18 @@ def check_dtensors(
     module: nn.Module, ignored: frozenset[int], groups: list[collectives.ProcessGroup | None]
 ) -> None:
     """DTensor parameters (tensor, sequence or expert parallel) must lie on mesh dims apart
-    from the data-parallel ``groups``: refused otherwise, before anything changes."""
+    from the data-parallel ``groups``, and be sharded (not left whole by ``ignored_params``
+    or ``ignored_modules``, whose plain all-reduce would not see their placements): refused
+    otherwise, before anything changes."""
     dp = [g for g in groups if g is not None]
     for name, p in module.named_parameters():
         layout = dtensors.layout_of(p)
-        if layout is not None and id(p) not in ignored:
+        if layout is not None and id(p) in ignored:
+            raise NotImplementedError(
+                f"fsdp_lite: parameter '{name}' is a DTensor ({layout.placements}) left "
+                "unsharded by ignored_params / ignored_modules: fsdp_lite averages such "
+                "gradients as plain tensors. Let fsdp_lite shard it, or keep it out of the "
+                "TP plan"
+            )
+        if layout is not None:
             dtensors.check_layout(name, layout, dp)

@@ -39,6 +39,7 @@ from torch import nn
 
 from fsdp_lite.addons.activation_checkpointing import apply_activation_checkpointing
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
+from fsdp_lite.core import dtensors
 from fsdp_lite.core.nested import tensors_in
 from fsdp_lite.core.policies import MixedPrecision, PrefetchPolicy, resolve_optimizer_params
 from fsdp_lite.core.wrap import Policy
@@ -336,6 +337,14 @@ class _Planner:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if mp is not None and not isinstance(mp, MixedPrecision):
             raise TypeError(f"mixed_precision must be fsdp_lite.MixedPrecision, got {mp!r}")
+        tp = next((n for n, p in model.named_parameters() if dtensors.layout_of(p)), None)
+        if tp is not None:
+            raise NotImplementedError(
+                f"the planner does not model tensor, sequence or expert parallelism yet: "
+                f"parameter '{tp}' is a DTensor. Estimate the model before parallelize_module "
+                "(its parameters, gradients and optimizer state then overcount by the TP "
+                "degree of each sharded parameter)"
+            )
         self.model, self.world_size, self.policy, self.mp = model, world_size, policy, mp
         self.inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         self.states = _optimizer_states(optimizer)

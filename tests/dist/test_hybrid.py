@@ -9,17 +9,17 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from cases import gpt, gpt_run, token_batch, wrap_blocks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from cases import gpt, gpt_run, token_batch, wrap_blocks
 
 import fsdp_lite
 from fsdp_lite.core import collectives
+from fsdp_lite.core.tree import units_of
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import compare_training
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
-from fsdp_lite.core.tree import units_of
 
 
 def _equivalence_runs(world: int, groups, tmp: str) -> list:
@@ -76,8 +76,8 @@ def _mesh_runs(world: int) -> list:
 
 
 def _mesh_refused() -> None:
-    """Both mesh= and process_group=, a 3-D mesh, a DTensor parameter: each refused before
-    anything changes."""
+    """Both mesh= and process_group=, a 3-D mesh, a DTensor parameter on the dp dim: each
+    refused before anything changes."""
     one_d = init_device_mesh("cpu", (4,))
     with pytest.raises(ValueError, match="both mesh= and process_group="):
         fsdp_lite.FSDPModule(gpt(), mesh=one_d, process_group=one_d.get_group())
@@ -88,8 +88,9 @@ def _mesh_refused() -> None:
         fsdp_lite.FSDPModule(gpt(), mesh=one_d.get_group())
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     world2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    parallelize_module(mlp, world2["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    with pytest.raises(NotImplementedError, match=r"'0.weight' is a DTensor.*fully_shard"):
+    # TP on the very dim fsdp_lite would shard over (tensor-parallel tests: test_tensor_parallel)
+    parallelize_module(mlp, world2["dp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with pytest.raises(ValueError, match=r"'0.weight' is a DTensor whose mesh dim 'dp' shares"):
         fsdp_lite.FSDPModule(mlp, mesh=world2["dp"])
     assert isinstance(mlp[0].weight, DTensor) and not units_of(mlp)  # nothing changed
 

@@ -213,6 +213,12 @@ def _moe_run(name: str, **kw) -> Run:
     )
 
 
+def _planner_refuses() -> None:
+    model = tp_models.parallelize_mlp(tp_models.mlp(), _mesh()["tp"])
+    with pytest.raises(NotImplementedError, match="planner does not model tensor"):
+        fsdp_lite.estimate_memory(model, (torch.randn(2, 8),), 2)
+
+
 def _smaller_mesh_without_experts() -> None:
     """A unit over 2 of the root's 4 ranks whose parameters are plain: refused at the first
     forward (the ranks outside would hold replicas no reduction averages)."""
@@ -483,6 +489,7 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
         ("refused: a DTensor on the dp dim", _dtensor_on_the_dp_dim),
         ("refused: a DTensor whose mesh leaves this rank out", _dtensor_off_this_rank),
         ("refused: a unit over a smaller mesh, no expert dim", _smaller_mesh_without_experts),
+        ("refused: the memory planner on a TP model", _planner_refuses),
         ("full optimizer state dict: unwrapped shapes, loads back", _full_optim_state),
         ("HF save_pretrained / load_pretrained", functools.partial(_hf_pretrained, tmp)),
         *[
