@@ -261,5 +261,13 @@ def check_dtensors(
                 "gradients as plain tensors. Let fsdp_lite shard it, or keep it out of the "
                 "TP plan"
             )
+        if layout is not None and p.is_meta:
+            raise NotImplementedError(
+                f"fsdp_lite: parameter '{name}' is a DTensor on the meta device: fsdp_lite's "
+                "deferred init does not materialize DTensors yet. After parallelize_module, "
+                "call model.to_empty(device=...) and initialize the weights (each rank holds "
+                "its TP shard only), then wrap; or load a checkpoint after wrapping a "
+                "materialized model"
+            )
         if layout is not None:
             dtensors.check_layout(name, layout, dp)

@@ -213,6 +213,29 @@ def _moe_run(name: str, **kw) -> Run:
     )
 
 
+def _meta_dtensors_refused() -> None:
+    """A TP plan applied to a model built on the meta device: refused at wrap time, the
+    parameters untouched (deferred init does not materialize DTensors)."""
+    with torch.device("meta"):
+        model = Transformer()
+    tp_models.parallelize(model, _mesh()["tp"], sp=True)
+    with pytest.raises(NotImplementedError, match="is a DTensor on the meta device"):
+        _wrap_plain(model)
+    assert isinstance(model.tok.weight, DTensor) and model.tok.weight.is_meta
+
+
+def _ignored_dtensor_refused() -> None:
+    model = tp_models.parallelize_mlp(tp_models.mlp(), _mesh()["tp"])
+    with pytest.raises(NotImplementedError, match="left unsharded by ignored_params"):
+        fsdp_lite.FSDPModule(model, mesh=_mesh()["dp"], ignored_params=[model[0].weight])
+
+
+def _wrap_plain(model: nn.Module) -> fsdp_lite.FSDPModule:
+    return fsdp_lite.FSDPModule(
+        model, mesh=_mesh()["dp"], auto_wrap_policy=fsdp_lite.wrap.by_type(Block)
+    )
+
+
 def _planner_refuses() -> None:
     model = tp_models.parallelize_mlp(tp_models.mlp(), _mesh()["tp"])
     with pytest.raises(NotImplementedError, match="planner does not model tensor"):
@@ -247,6 +270,8 @@ def _training_runs() -> list[Run]:
                          checkpointing=True),
         _transformer_run("transformer, TP + SP, optimizer_params='pieces'", sp=True,
                          optimizer_params="pieces"),
+        _transformer_run("transformer, TP + SP, optimizer_params='whole' (local tensors)",
+                         sp=True, optimizer_params="whole"),
     ]  # fmt: skip
 
 
@@ -490,6 +515,8 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
         ("refused: a DTensor whose mesh leaves this rank out", _dtensor_off_this_rank),
         ("refused: a unit over a smaller mesh, no expert dim", _smaller_mesh_without_experts),
         ("refused: the memory planner on a TP model", _planner_refuses),
+        ("refused: DTensors on the meta device", _meta_dtensors_refused),
+        ("refused: an ignored DTensor parameter", _ignored_dtensor_refused),
         ("full optimizer state dict: unwrapped shapes, loads back", _full_optim_state),
         ("HF save_pretrained / load_pretrained", functools.partial(_hf_pretrained, tmp)),
         *[
