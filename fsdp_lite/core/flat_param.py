@@ -28,6 +28,7 @@ from fsdp_lite.core.dtensors import Layout, local_tensor
 from fsdp_lite.core.freed import FreedParameter, between_steps_message, freed_parameter
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.optim_view import OrigParams, mark_shard
+from fsdp_lite.core.policies import master_dtype
 
 
 @dataclass
@@ -484,9 +485,3 @@ def _slot_bounds(slots: list[ParamSlot], owners: list[int], world_size: int) -> 
     for r in range(1, world_size + 1):
         bounds[r] = max(bounds[r], bounds[r - 1])
     return bounds
-
-
-def master_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the shard an optimizer steps: fp32 for a module loaded in bf16 or fp16
-    (low-precision masters lose small updates to rounding), else the parameter's own."""
-    return torch.float32 if dtype.itemsize < 4 else dtype

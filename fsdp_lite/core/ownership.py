@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import nn
 
 from fsdp_lite.core import collectives
-from fsdp_lite.core.flat_param import master_dtype
+from fsdp_lite.core.policies import master_dtype
 
 
 def master_nbytes(p: nn.Parameter) -> int:

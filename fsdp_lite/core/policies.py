@@ -112,3 +112,20 @@ def resolve_optimizer_params(
             f"{use_orig_params}, whole_params={whole_params}: pass optimizer_params alone"
         )
     return optimizer_params
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the shard an optimizer steps: fp32 for a module loaded in bf16 or fp16
+    (low-precision masters lose small updates to rounding), else the parameter's own."""
+    return torch.float32 if dtype.itemsize < 4 else dtype
+
+
+def compute_dtype(mp: MixedPrecision | None, module: nn.Module, p: torch.Tensor) -> torch.dtype:
+    """The dtype ``module``'s parameter ``p`` computes in: its own unless ``mp`` says
+    otherwise; fp32 (or wider) for ``mp.fp32_module_types``, whatever dtype the module was
+    loaded in. Wrapping and the planner both ask it."""
+    if mp is None:
+        return p.dtype
+    if isinstance(module, mp.fp32_module_types):
+        return master_dtype(p.dtype)
+    return mp.param_dtype

@@ -16,9 +16,9 @@ from fsdp_lite.core import (
     ownership,
 )
 from fsdp_lite.core.checks import check_param, check_split_modules
-from fsdp_lite.core.flat_param import FlatParam, ParamSlot, master_dtype
+from fsdp_lite.core.flat_param import FlatParam, ParamSlot
 from fsdp_lite.core.nested import cast_floats
-from fsdp_lite.core.policies import MixedPrecision
+from fsdp_lite.core.policies import MixedPrecision, compute_dtype
 from fsdp_lite.core.tree import (
     clean_named_modules,
     region_modules,
@@ -40,17 +40,6 @@ def _flattened_by_nested(module: nn.Module) -> dict[int, tuple[str, nn.Parameter
                     if p is not None:
                         owned[id(p)] = (name or type(unit.module).__name__, p)
     return owned
-
-
-def _compute_dtype(unit: Unit, sub: nn.Module, p: nn.Parameter) -> torch.dtype:
-    """The module's own dtype unless ``MixedPrecision`` says otherwise; fp32 (or wider) for
-    ``fp32_module_types``, whatever dtype the module was loaded in."""
-    mp = unit.mixed_precision
-    if mp is None:
-        return p.dtype
-    if isinstance(sub, mp.fp32_module_types):
-        return master_dtype(p.dtype)
-    return mp.param_dtype
 
 
 def _make_flat(
@@ -128,7 +117,7 @@ def build_flat_params(
         if id(p) in defer:
             continue
         check_param(name, p, owned)
-        key = (p.dtype, p.requires_grad, _compute_dtype(unit, sub, p))
+        key = (p.dtype, p.requires_grad, compute_dtype(unit.mixed_precision, sub, p))
         if id(p) in slot_of:  # a tie inside this unit: one slot, several locations
             if key_of[id(p)] != key:
                 raise ValueError(

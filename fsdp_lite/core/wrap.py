@@ -7,7 +7,7 @@ passed to ``FSDPModule`` itself is always a unit (the root), whatever the policy
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -167,44 +167,63 @@ def deferred_ties(
 
 
 def apply_policy(root: nn.Module, policy: Policy, make_unit: Callable) -> None:
-    """Replace, bottom-up, each submodule the policy picks by ``make_unit(sub, defer)``.
+    """Replace, bottom-up, each submodule the policy picks by ``make_unit(sub, defer)``
+    (``picks``; a module registered at several places becomes one unit, set at each)."""
+    units: dict[int, nn.Module] = {}
+    for pick in picks(root, policy):
+        if not pick.again:
+            units[id(pick.module)] = make_unit(pick.module, pick.defer)
+        setattr(pick.parent, pick.name, units[id(pick.module)])
 
-    ``defer`` holds the parameters of ``sub`` that are also registered outside it (ties):
-    they are left for the lowest enclosing unit that contains every use.
-    """
+
+@dataclass(frozen=True)
+class Pick:
+    """A submodule the policy picked, at one of its registrations."""
+
+    parent: nn.Module
+    name: str  # its attribute on ``parent``
+    module: nn.Module
+    # Ids of its parameters also registered outside it (ties): left for the lowest
+    # enclosing unit that contains every use.
+    defer: set[int]
+    again: bool  # picked at an earlier registration: the same unit
+
+
+def picks(root: nn.Module, policy: Policy) -> Iterator[Pick]:
+    """Each submodule of ``root`` the policy picks, bottom-up (children before parents):
+    never a container (no forward of its own), an existing unit, an ignored module or
+    anything inside one, nor a module that would own nothing but ties. The one walk that
+    wrapping (``apply_policy``) and the planner (``planner/layout.py``) share; the caller
+    acts on each pick (wraps it, or hides its parameters) before the walk goes on."""
     paths: dict[int, list[str]] = {}  # id(module) -> every path it is registered under
     for name, m in root.named_modules(remove_duplicate=False):
         paths.setdefault(id(m), []).append(name)
-    # A module-level recursion, not a closure over itself: that cycle would keep make_unit
-    # (and what it holds: a deferred-init plan, the flattened originals) alive until a GC.
-    _visit(_Walk(policy, make_unit, param_locations(root), paths), root, "")
+    yield from _visit(_Walk(policy, param_locations(root), paths), root, "")
 
 
 @dataclass
 class _Walk:
     policy: Policy
-    make_unit: Callable
     locations: dict[int, list[str]]  # id(param) -> every path it is registered under
     paths: dict[int, list[str]]  # id(module) -> every path it is registered under
-    made: dict[int, nn.Module] = field(default_factory=dict)  # registered twice: one unit
+    made: set[int] = field(default_factory=set)  # ids of the modules picked so far
 
 
-def _visit(walk: _Walk, module: nn.Module, path: str) -> None:
-    made = walk.made
+def _visit(walk: _Walk, module: nn.Module, path: str) -> Iterator[Pick]:
     for name, child in list(module._modules.items()):  # every registration, shared too
         if child is None:
             continue
-        if id(child) in made:
-            setattr(module, name, made[id(child)])
+        if id(child) in walk.made:
+            yield Pick(module, name, child, set(), again=True)
             continue
         if _is_unit(child) or is_ignored(child):
             continue  # an ignored module's subtree is never a unit, nor any part of it
         child_path = f"{path}{name}"
-        _visit(walk, child, child_path + ".")
+        yield from _visit(walk, child, child_path + ".")
         if isinstance(child, nn.ModuleList | nn.ModuleDict) or not walk.policy(child):
             continue  # containers have no forward of their own: never units
         defer = deferred_ties(child, walk.paths.get(id(child), [child_path]), walk.locations)
         if defer is None:
             continue
-        made[id(child)] = walk.make_unit(child, defer)
-        setattr(module, name, made[id(child)])
+        walk.made.add(id(child))
+        yield Pick(module, name, child, defer, again=False)

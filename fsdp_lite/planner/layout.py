@@ -21,10 +21,9 @@ import torch
 from torch import nn
 
 from fsdp_lite.core import ownership
-from fsdp_lite.core.flat_param import master_dtype
-from fsdp_lite.core.policies import MixedPrecision
+from fsdp_lite.core.policies import MixedPrecision, compute_dtype, master_dtype
 from fsdp_lite.core.tree import unit_of
-from fsdp_lite.core.wrap import Policy, deferred_ties, param_locations, unowned_parameters
+from fsdp_lite.core.wrap import Policy, picks, unowned_parameters
 
 Location = tuple[nn.Module, str]
 
@@ -112,10 +111,11 @@ def layout_units(
     picked: list[tuple[nn.Module, list]] = []
     with _hidden_parameters() as hide:
         if policy is not None:
-            for child, defer in _pick_units(model, policy):
-                members = _members(child, defer)
-                hide(members)
-                picked.append((child, members))
+            for pick in picks(model, policy):
+                if not pick.again:  # wrapping's own walk; hidden before it goes on
+                    members = _members(pick.module, pick.defer)
+                    hide(members)
+                    picked.append((pick.module, members))
         root_members = _members(model, set())
     units = [_unit(model, "", True, root_members, world_size, mixed_precision)]
     for child, members in picked:
@@ -149,33 +149,6 @@ def own_whole_params(model: nn.Module, units: list[UnitLayout], world_size: int)
 def _param_at(location: Location) -> nn.Parameter:
     module, attr = location
     return module._parameters[attr]
-
-
-def _pick_units(root: nn.Module, policy: Policy) -> Iterator[tuple[nn.Module, set[int]]]:
-    """(module, ids of its deferred tie parameters) for each module the policy picks,
-    bottom-up as ``wrap.apply_policy`` visits them; the caller hides each one's members
-    before the next is asked about."""
-    locations = param_locations(root)
-    paths: dict[int, list[str]] = {}
-    for name, m in root.named_modules(remove_duplicate=False):
-        paths.setdefault(id(m), []).append(name)
-    made: set[int] = set()
-
-    def visit(module: nn.Module, path: str) -> Iterator[tuple[nn.Module, set[int]]]:
-        for name, child in list(module._modules.items()):
-            if child is None or id(child) in made:
-                continue
-            child_path = f"{path}{name}"
-            yield from visit(child, child_path + ".")
-            if isinstance(child, nn.ModuleList | nn.ModuleDict) or not policy(child):
-                continue
-            defer = deferred_ties(child, paths.get(id(child), [child_path]), locations)
-            if defer is None:
-                continue
-            made.add(id(child))
-            yield child, defer
-
-    yield from visit(root, "")
 
 
 def _members(module: nn.Module, defer: set[int]) -> list[tuple[nn.Module, str, nn.Parameter]]:
@@ -223,17 +196,9 @@ def _unit(
                 "shards floating-point parameters only"
             )
         slot = slot_of[id(p)] = SlotLayout([(sub, attr)], p.shape)
-        groups.setdefault((p.dtype, p.requires_grad, _compute_dtype(mp, sub, p)), []).append(slot)
+        groups.setdefault((p.dtype, p.requires_grad, compute_dtype(mp, sub, p)), []).append(slot)
     flats = [
         FlatLayout(slots, dtype, compute, rg, world_size)
         for (dtype, rg, compute), slots in groups.items()
     ]
     return UnitLayout(name or f"<root {type(module).__name__}>", module, is_root, flats)
-
-
-def _compute_dtype(mp: MixedPrecision | None, sub: nn.Module, p: nn.Parameter) -> torch.dtype:
-    if mp is None:
-        return p.dtype
-    if isinstance(sub, mp.fp32_module_types):
-        return master_dtype(p.dtype)
-    return mp.param_dtype
