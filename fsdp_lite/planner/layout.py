@@ -1,8 +1,9 @@
 """The memory planner's view of wrapping: which units ``FSDPModule(model, auto_wrap_policy=...)``
 would build and what flat params each would hold, computed without wrapping anything.
 
-It follows ``wrap.apply_policy`` and ``unit_init.build_flat_params``: the policy is asked
-about every submodule bottom-up (containers never become units), each picked module owns
+It walks the model with wrapping's own walk (``wrap.picks``) and dtype rule
+(``policies.compute_dtype``), and groups as ``unit_init.build_flat_params`` does: each
+picked module owns
 the parameters of its tree that no nested unit owns (ties used outside it are deferred to
 the lowest enclosing unit), the model itself is the root and owns the rest, and each unit
 groups its parameters by (dtype, requires_grad, compute dtype) into one flat param, padded
