@@ -25,7 +25,13 @@ from fsdp_lite.core.grads import nonfinite_units, scale_, total_norm
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.policies import MixedPrecision, PrefetchPolicy, resolve_optimizer_params
 from fsdp_lite.core.state import TrainingState, check_state
-from fsdp_lite.core.tree import SHARDED_FLAG, UNIT_ATTR, named_as_unwrapped, units_of
+from fsdp_lite.core.tree import (
+    SHARDED_FLAG,
+    UNIT_ATTR,
+    named_as_unwrapped,
+    region_modules,
+    units_of,
+)
 from fsdp_lite.core.unit import Unit
 from fsdp_lite.core.unit_init import build_flat_params, install_fp32_modules, prepare_buffers
 from fsdp_lite.core.wrap import Policy, apply_policy, unowned_parameters
@@ -209,7 +215,7 @@ class FSDPModule(nn.Module):
         unit.replicas_synced = o.sync_module_states
         self._register_optimizer_params(o.optimizer_params != "flat")
         prepare_buffers(unit, module, o.sync_module_states)
-        install_fp32_modules(module, o.mixed_precision)
+        install_fp32_modules(region_modules(module), o.mixed_precision)
         module.__dict__[SHARDED_FLAG] = True
         root.register_hooks(unit)
         module._register_state_dict_hook(

@@ -4,7 +4,7 @@ dataclasses such as Hugging Face's ``ModelOutput``)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,3 +41,19 @@ def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+def hook_gradient_nodes(output: Any, hook: Callable[..., Any]) -> None:
+    """Call ``hook`` when a gradient reaches ``output``: one hook per autograd node that
+    made a tensor of it needing a gradient (a pre-hook: it runs after the tensor hooks on
+    the same gradient), on the tensor itself where it is a leaf. Outputs are found in
+    tuples, lists, dicts, dataclasses (HF ``ModelOutput``)."""
+    nodes = set()
+    for t in tensors_in(output):
+        if not t.requires_grad:
+            continue
+        if t.grad_fn is None:
+            t.register_hook(hook)
+        elif t.grad_fn not in nodes:
+            nodes.add(t.grad_fn)
+            t.grad_fn.register_prehook(hook)

@@ -40,7 +40,7 @@ from torch import nn
 from fsdp_lite.core import accounting, collectives, devices, divergence, ignored, schedule
 from fsdp_lite.core.checks import check_at_first_forward
 from fsdp_lite.core.flat_param import FlatParam
-from fsdp_lite.core.nested import cast_floats, tensors_in
+from fsdp_lite.core.nested import cast_floats, hook_gradient_nodes, tensors_in
 from fsdp_lite.core.optimizer_check import loose_parameters, shapes_of
 from fsdp_lite.core.reduce import PendingGrad
 from fsdp_lite.core.state import TrainingState, in_backward
@@ -337,23 +337,13 @@ class Root:
     # -- backward --------------------------------------------------------------------
 
     def _hook_outputs(self, unit: Unit, output: Any) -> None:
-        """Hook every output that needs a gradient; the first to fire re-gathers. Outputs
-        are found in tuples, lists, dicts, dataclasses (HF ``ModelOutput``).
+        """Hook every output that needs a gradient; the first to fire re-gathers.
 
         The hook goes on the node that made the output, not the tensor: the engine runs a
         node's pre-hooks after the tensor hooks on the same gradient, so the unit after this
         one (reading this output as its input) learns that its backward is over, and frees
         its frozen parameters, before this unit gathers (see unit.py's Note)."""
-        hook = functools.partial(_pre_backward_hook, self, unit)
-        nodes = set()
-        for t in tensors_in(output):
-            if not t.requires_grad:
-                continue
-            if t.grad_fn is None:
-                t.register_hook(hook)
-            elif t.grad_fn not in nodes:
-                nodes.add(t.grad_fn)
-                t.grad_fn.register_prehook(hook)
+        hook_gradient_nodes(output, functools.partial(_pre_backward_hook, self, unit))
 
     def pre_backward(self, unit: Unit) -> None:
         """Re-gather ``unit``'s full parameters before its backward (once per backward)."""

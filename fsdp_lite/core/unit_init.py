@@ -4,9 +4,11 @@ is refused on the way: ``checks.py``)."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fsdp_lite.core import (
     collectives,
@@ -159,16 +161,21 @@ def prepare_buffers(unit: Unit, module: nn.Module, sync: bool) -> None:
             sub._buffers[name] = buf
 
 
-def install_fp32_modules(module: nn.Module, mp: MixedPrecision | None) -> None:
-    """Make modules of ``mp.fp32_module_types`` take fp32 inputs and return ``param_dtype``."""
+def install_fp32_modules(
+    modules: Iterable[nn.Module], mp: MixedPrecision | None
+) -> list[RemovableHandle]:
+    """Make those of ``modules`` of ``mp.fp32_module_types`` take fp32 inputs and return
+    ``param_dtype``; the hooks' handles (the planner removes them after its trace)."""
     if mp is None or mp.param_dtype == torch.float32:
-        return
-    for sub in region_modules(module):
+        return []
+    handles = []
+    for sub in modules:
         if isinstance(sub, mp.fp32_module_types):
-            sub.register_forward_pre_hook(
+            handles.append(sub.register_forward_pre_hook(
                 lambda m, args, kwargs: cast_floats((args, kwargs), torch.float32),
                 with_kwargs=True,
-            )
-            sub.register_forward_hook(
+            ))  # fmt: skip
+            handles.append(sub.register_forward_hook(
                 lambda m, args, out, dtype=mp.param_dtype: cast_floats(out, dtype)
-            )
+            ))  # fmt: skip
+    return handles

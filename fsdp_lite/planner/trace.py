@@ -44,9 +44,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_lite.core.nested import cast_floats, tensors_in
+from fsdp_lite.core.nested import cast_floats, hook_gradient_nodes
 from fsdp_lite.core.policies import MixedPrecision
 from fsdp_lite.core.state import in_backward
+from fsdp_lite.core.unit_init import install_fp32_modules
 from fsdp_lite.planner.layout import FlatLayout, UnitLayout
 from fsdp_lite.planner.storage import (
     ACTIVATIONS,
@@ -90,7 +91,8 @@ def trace_step(
         )
         _swap_parameters(units, fulls, undo)
         _install_unit_hooks(units, fulls, mixed_precision, tracker, undo)
-        _install_fp32_modules(model, mixed_precision, undo)
+        for handle in install_fp32_modules(model.modules(), mixed_precision):
+            undo.callback(handle.remove)
         for module in checkpointed:
             _checkpoint_forward(module, tracker, undo)
         mode = contextlib.nullcontext() if real else fake
@@ -234,43 +236,14 @@ class _UnitHooks:
             return
         self.tracker.mark("post_forward", self.index)
         if torch.is_grad_enabled():
-            _hook_outputs(out, functools.partial(self.tracker.mark, "pre_backward", self.index))
+            mark = functools.partial(self.tracker.mark, "pre_backward", self.index)
+            hook_gradient_nodes(out, lambda *_: mark())  # as the root hooks outputs
 
 
 def _post_backward(tracker: StorageTracker, unit: int, flat: int, full: torch.Tensor) -> None:
     tracker.tag(full.grad, FULL_GRADIENTS)
     tracker.mark("post_backward", unit, flat)
     full.grad = None  # FlatParam.take_grad
-
-
-def _hook_outputs(output: Any, fire: Callable[[], None]) -> None:
-    """``Root._hook_outputs``: one hook per gradient node of the outputs."""
-    nodes = set()
-    for t in tensors_in(output):
-        if not t.requires_grad:
-            continue
-        if t.grad_fn is None:
-            t.register_hook(lambda grad: fire())
-        elif t.grad_fn not in nodes:
-            nodes.add(t.grad_fn)
-            t.grad_fn.register_prehook(lambda grads: fire())
-
-
-def _install_fp32_modules(
-    model: nn.Module, mp: MixedPrecision | None, undo: contextlib.ExitStack
-) -> None:
-    """``unit_init.install_fp32_modules``: fp32 inputs in, ``param_dtype`` outputs out."""
-    if mp is None or mp.param_dtype == torch.float32:
-        return
-    for module in model.modules():
-        if isinstance(module, mp.fp32_module_types):
-            h1 = module.register_forward_pre_hook(
-                lambda m, args, kwargs: cast_floats((args, kwargs), torch.float32),
-                with_kwargs=True,
-            )
-            h2 = module.register_forward_hook(lambda m, args, out: cast_floats(out, mp.param_dtype))
-            undo.callback(h1.remove)
-            undo.callback(h2.remove)
 
 
 def _checkpoint_forward(
