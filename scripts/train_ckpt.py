@@ -26,6 +26,7 @@ from train_config import Config
 from train_setup import Dist
 
 import fsdp_lite
+from fsdp_lite.core import devices
 
 _STEP_DIR = re.compile(r"^step_(\d+)(\.tmp|\.old)?$")
 
@@ -149,17 +150,14 @@ def _prune(root: Path, keep: int) -> None:
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+    """This rank's generators: torch's (CPU and ``device``'s, ``devices.rng_state``) and
+    Python's."""
+    return {"torch": devices.rng_state(device), "python": random.getstate()}
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
+    devices.set_rng_state(state["torch"], device)
     random.setstate(state["python"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def save(
