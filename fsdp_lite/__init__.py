@@ -27,7 +27,7 @@ from fsdp_lite.addons.hugging_face import hf_tp_plan, load_pretrained, save_pret
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload, offload_optimizer_state
 from fsdp_lite.addons.offload_model import OffloadModel
 from fsdp_lite.addons.optim_state import full_optim_state_dict, load_full_optim_state_dict
-from fsdp_lite.core import deferred_init, wrap
+from fsdp_lite.build import deferred_init, wrap
 from fsdp_lite.core.accounting import reset_stats, stats
 from fsdp_lite.core.collectives import DivergenceError, PeerError, hybrid_groups
 from fsdp_lite.core.policies import MixedPrecision, PrefetchPolicy

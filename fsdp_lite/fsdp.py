@@ -19,7 +19,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_lite.addons import state_dict as _state_dict
 from fsdp_lite.addons import state_dict_type as _sdt
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
-from fsdp_lite.core import collectives, deferred_init, devices, ignored, ownership, root
+from fsdp_lite.build import deferred_init, ownership
+from fsdp_lite.build.unit_init import build_flat_params, install_fp32_modules, prepare_buffers
+from fsdp_lite.build.wrap import Policy, apply_policy, unowned_parameters
+from fsdp_lite.core import collectives, devices, ignored, root
 from fsdp_lite.core.checks import check_dtensors, check_wrappable
 from fsdp_lite.core.grads import nonfinite_units, scale_, total_norm
 from fsdp_lite.core.home import DeviceHome
@@ -33,8 +36,6 @@ from fsdp_lite.core.tree import (
     units_of,
 )
 from fsdp_lite.core.unit import Unit
-from fsdp_lite.core.unit_init import build_flat_params, install_fp32_modules, prepare_buffers
-from fsdp_lite.core.wrap import Policy, apply_policy, unowned_parameters
 
 DEFAULT_PREFETCH = PrefetchPolicy()
 

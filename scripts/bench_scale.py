@@ -68,7 +68,7 @@ def build(system: str, cfg: ScaleConfig, world: int) -> nn.Module:
     with torch.device("meta"):
         model = GPT(cfg.gpt_config())
     if system == "fsdp_lite":
-        from fsdp_lite.core.deferred_init import no_init
+        from fsdp_lite.build.deferred_init import no_init
 
         mp = fsdp_lite.MixedPrecision(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32)
         model = fsdp_lite.FSDPModule(

@@ -29,7 +29,7 @@ from fsdp_lite.core import devices
 from fsdp_lite.core.tree import named_as_unwrapped
 
 if TYPE_CHECKING:
-    from fsdp_lite.core.wrap import Policy
+    from fsdp_lite.build.wrap import Policy
 
 _PREFIX = "checkpointed."
 

@@ -39,10 +39,10 @@ from torch import nn
 
 from fsdp_lite.addons.activation_checkpointing import apply_activation_checkpointing
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
+from fsdp_lite.build.wrap import Policy
 from fsdp_lite.core import dtensors
 from fsdp_lite.core.nested import tensors_in
 from fsdp_lite.core.policies import MixedPrecision, PrefetchPolicy, resolve_optimizer_params
-from fsdp_lite.core.wrap import Policy
 from fsdp_lite.fsdp import FSDPModule
 from fsdp_lite.planner.layout import UnitLayout, layout_units, own_whole_params
 from fsdp_lite.planner.replay import TERMS, ReplayConfig, replay

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fsdp_lite.core import ownership
+from fsdp_lite.build import ownership
+from fsdp_lite.build.wrap import Policy, picks, unowned_parameters
 from fsdp_lite.core.policies import MixedPrecision, compute_dtype, master_dtype
 from fsdp_lite.core.tree import unit_of
-from fsdp_lite.core.wrap import Policy, picks, unowned_parameters
 
 Location = tuple[nn.Module, str]
 

@@ -44,10 +44,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
+from fsdp_lite.build.unit_init import install_fp32_modules
 from fsdp_lite.core.nested import cast_floats, hook_gradient_nodes
 from fsdp_lite.core.policies import MixedPrecision
 from fsdp_lite.core.state import in_backward
-from fsdp_lite.core.unit_init import install_fp32_modules
 from fsdp_lite.planner.layout import FlatLayout, UnitLayout
 from fsdp_lite.planner.storage import (
     ACTIVATIONS,

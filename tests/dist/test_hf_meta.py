@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import fsdp_lite
-from fsdp_lite.core.deferred_init import no_init
 from fsdp_lite.addons.state_dict import clean_named_modules
+from fsdp_lite.build.deferred_init import no_init
 from fsdp_lite.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")

@@ -28,8 +28,8 @@ import torch
 
 import fsdp_lite
 from fsdp_lite.addons.activation_checkpointing import CheckpointWrapper
+from fsdp_lite.build import ownership
 from fsdp_lite.planner.estimate import default_loss
-from fsdp_lite.core import ownership
 from fsdp_lite.testing.memory import MemoryRecorder
 from fsdp_lite.testing.models import GPT, Block, GPTConfig
 
@@ -377,8 +377,8 @@ def test_layout_matches_wrapping(world1: None) -> None:
     """The units and flat params the planner works out are those FSDPModule builds: a
     size-based policy (it counts only parameters no nested unit took), a tied embedding,
     and the root taking what is left."""
-    from fsdp_lite.planner.layout import layout_units
     from fsdp_lite.core.tree import units_of
+    from fsdp_lite.planner.layout import layout_units
 
     policy = fsdp_lite.wrap.by_size(3000)
     planned = layout_units(_small_gpt(), 1, policy, None)

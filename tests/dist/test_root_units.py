@@ -26,13 +26,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_lite import FSDPModule
-from fsdp_lite.core import wrap
+from fsdp_lite.build import wrap
 from fsdp_lite.core.freed import FreedParameter
+from fsdp_lite.core.tree import unit_of, units_of, unwrap
 from fsdp_lite.testing import GPT, GPTConfig, run_distributed
 from fsdp_lite.testing.models import Block
 from fsdp_lite.testing.reference import compare_training
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
-from fsdp_lite.core.tree import unit_of, units_of, unwrap
 
 
 def _wrap_ends(blocks, model: nn.Module, mixed_precision=None) -> FSDPModule:

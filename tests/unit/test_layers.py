@@ -1,4 +1,5 @@
-"""The package's imports point down: ``core`` imports no add-on, no ``fsdp.py`` and no
+"""The package's imports point down: ``core`` (the step) imports no ``build`` (wrap time),
+add-on, ``fsdp.py`` or ``testing``; ``build`` no add-on, ``fsdp.py``, planner or
 ``testing``; ``fsdp.py`` no planner and no ``testing``; add-ons no ``testing``; and no
 module reaches itself through imports, lazy ones (inside functions) and ``if
 TYPE_CHECKING:`` ones included."""
@@ -47,7 +48,7 @@ def _graph(with_typing: bool = False) -> dict[str, set[str]]:
 
 
 def _layer(name: str) -> str:
-    for prefix in ("fsdp_lite.core", "fsdp_lite.planner", "fsdp_lite.addons"):
+    for prefix in ("fsdp_lite.core", "fsdp_lite.build", "fsdp_lite.planner", "fsdp_lite.addons"):
         if name.startswith(prefix):
             return prefix
     return name
@@ -55,7 +56,12 @@ def _layer(name: str) -> str:
 
 def test_core_and_addons_import_only_downwards() -> None:
     forbidden = {
-        "fsdp_lite.core": ("fsdp_lite.addons", "fsdp_lite.fsdp", "fsdp_lite.testing"),
+        "fsdp_lite.core": (
+            "fsdp_lite.build", "fsdp_lite.addons", "fsdp_lite.fsdp", "fsdp_lite.testing"
+        ),
+        "fsdp_lite.build": (
+            "fsdp_lite.addons", "fsdp_lite.fsdp", "fsdp_lite.planner", "fsdp_lite.testing"
+        ),
         "fsdp_lite.fsdp": ("fsdp_lite.planner", "fsdp_lite.testing"),
         "fsdp_lite.addons": ("fsdp_lite.planner", "fsdp_lite.testing"),
         "fsdp_lite.planner": ("fsdp_lite.testing",),

@@ -1,0 +1,6 @@
+"""The build: what wrapping does once, before any step (and what the memory planner asks
+without wrapping). ``wrap.py`` picks the units (the one walk the planner shares),
+``unit_init.py`` flattens a unit's parameters and prepares its buffers,
+``deferred_init.py`` materializes meta-device modules, ``ownership.py`` plans whole-param
+owners. It sits on ``core`` (the step) and under ``fsdp.py``; what it refuses on the way
+is in ``core/checks.py``, beside the first-forward checks."""
