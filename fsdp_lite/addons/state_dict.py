@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import math
 from collections import namedtuple
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from fsdp_lite.core import collectives
-from fsdp_lite.core.flat_param import FlatParam, ParamSlot
+from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.state import TrainingState, check_state
 from fsdp_lite.core.tree import clean_named_modules, units_of
 
@@ -158,21 +159,51 @@ def write_shard(shard: torch.Tensor, flat: FlatParam, values: dict[int, torch.Te
             shard[at : at + hi - lo].copy_(values[i].reshape(-1)[lo:hi])
 
 
+@dataclass(frozen=True)
+class StateKey:
+    """One key of the unwrapped model's full state dict, where it lives now."""
+
+    key: str
+    module: nn.Module
+    attr: str
+    # A parameter still registered (left unflattened: ignored) or a persistent buffer;
+    # None for a flattened parameter (its value is in a flat param's slot).
+    tensor: torch.Tensor | None
+    saved_dtype: torch.dtype | None  # a buffer's original dtype (mixed precision casts it)
+
+
+def state_keys(root: nn.Module) -> Iterator[StateKey]:
+    """Every key of the unwrapped model's full state dict, in its order: module by module,
+    its parameters (flattened or not), then its persistent buffers."""
+    for prefix, module in clean_named_modules(root):
+        pre = f"{prefix}." if prefix else ""
+        for name in _param_names(module):
+            p = module._parameters.get(name)
+            yield StateKey(pre + name, module, name, p, None if p is None else p.dtype)
+        dtypes = module.__dict__.get("_fsdp_lite_buffer_dtypes", {})
+        for name, buf in _persistent_buffers(module):
+            yield StateKey(pre + name, module, name, buf, dtypes.get(name, buf.dtype))
+
+
+def _by_location(root: nn.Module, value: Callable[[FlatParam, int], Any]) -> dict[Location, Any]:
+    """(id(module), attr) -> ``value(flat, slot index)`` at every location of every slot."""
+    out: dict[Location, Any] = {}
+    for flat in flat_params(root):
+        for i, slot in enumerate(flat.slots):
+            for module, attr in slot.locations:
+                out[(id(module), attr)] = value(flat, i)
+    return out
+
+
 def param_names(root: nn.Module) -> dict[int, str]:
     """id(slot) -> the parameter's name in the unwrapped module's ``named_parameters()``
     (a tied parameter appears once, under its first name)."""
-    slot_at: dict[Location, ParamSlot] = {}
-    for flat in flat_params(root):
-        for slot in flat.slots:
-            for module, attr in slot.locations:
-                slot_at[(id(module), attr)] = slot
+    slot_at = _by_location(root, lambda flat, i: flat.slots[i])
     names: dict[int, str] = {}
-    for prefix, module in clean_named_modules(root):
-        pre = f"{prefix}." if prefix else ""
-        for attr in _param_names(module):
-            slot = slot_at.get((id(module), attr))
-            if slot is not None and id(slot) not in names:
-                names[id(slot)] = pre + attr
+    for e in state_keys(root):
+        slot = slot_at.get((id(e.module), e.attr)) if e.tensor is None else None
+        if slot is not None and id(slot) not in names:
+            names[id(slot)] = e.key
     return names
 
 
@@ -182,47 +213,25 @@ def state_dict_layout(
     """Where each key of the full state dict lives: ``key -> (flat param, slot index)`` for
     flattened parameters (tied ones under every name), and ``key -> (tensor, dtype to
     save it in)`` for buffers and any parameter left unflattened."""
-    slot_at: dict[Location, tuple[FlatParam, int]] = {}
-    for flat in flat_params(root):
-        for i, slot in enumerate(flat.slots):
-            for module, attr in slot.locations:
-                slot_at[(id(module), attr)] = (flat, i)
+    slot_at = _by_location(root, lambda flat, i: (flat, i))
     slots: dict[str, tuple[FlatParam, int]] = {}
     tensors: dict[str, tuple[torch.Tensor, torch.dtype]] = {}
-    for prefix, module in clean_named_modules(root):
-        pre = f"{prefix}." if prefix else ""
-        for name in _param_names(module):
-            p = module._parameters.get(name)
-            if p is not None:
-                tensors[pre + name] = (p, p.dtype)
-            elif (id(module), name) in slot_at:
-                slots[pre + name] = slot_at[(id(module), name)]
-        dtypes = module.__dict__.get("_fsdp_lite_buffer_dtypes", {})
-        for name, buf in _persistent_buffers(module):
-            tensors[pre + name] = (buf, dtypes.get(name, buf.dtype))
+    for e in state_keys(root):
+        if e.tensor is not None:
+            tensors[e.key] = (e.tensor, e.saved_dtype)
+        elif (id(e.module), e.attr) in slot_at:
+            slots[e.key] = slot_at[(id(e.module), e.attr)]
     return slots, tensors
-
-
-# -- full state dict ----------------------------------------------------------------
 
 
 def expected_shapes(root: nn.Module) -> dict[str, torch.Size]:
     """Every key of the full state dict and its shape, in the unwrapped module's order."""
-    shapes: dict[Location, torch.Size] = {}
-    for flat in flat_params(root):
-        for slot in flat.slots:
-            for module, attr in slot.locations:
-                shapes[(id(module), attr)] = slot.full_shape
+    shapes = _by_location(root, lambda flat, i: flat.slots[i].full_shape)
     out: dict[str, torch.Size] = {}
-    for prefix, module in clean_named_modules(root):
-        pre = f"{prefix}." if prefix else ""
-        for name in _param_names(module):
-            p = module._parameters.get(name)
-            shape = p.shape if p is not None else shapes.get((id(module), name))
-            if shape is not None:
-                out[pre + name] = shape
-        for name, buf in _persistent_buffers(module):
-            out[pre + name] = buf.shape
+    for e in state_keys(root):
+        shape = e.tensor.shape if e.tensor is not None else shapes.get((id(e.module), e.attr))
+        if shape is not None:
+            out[e.key] = shape
     return out
 
 
@@ -261,16 +270,11 @@ def full_state_dict(root: nn.Module, rank0_only: bool = False) -> dict[str, torc
     if not keep:
         return {}
     sd: dict[str, torch.Tensor] = {}
-    for prefix, module in clean_named_modules(root):
-        pre = f"{prefix}." if prefix else ""
-        for name in _param_names(module):
-            p = module._parameters.get(name)
-            value = p.detach().cpu().clone() if p is not None else values.get((id(module), name))
-            if value is not None:
-                sd[pre + name] = value
-        dtypes = module.__dict__.get("_fsdp_lite_buffer_dtypes", {})
-        for name, buf in _persistent_buffers(module):
-            sd[pre + name] = buf.detach().to("cpu", dtypes.get(name, buf.dtype)).clone()
+    for e in state_keys(root):
+        if e.tensor is not None:  # a buffer in its original dtype, or a whole parameter
+            sd[e.key] = e.tensor.detach().to("cpu", e.saved_dtype, copy=True)
+        elif (id(e.module), e.attr) in values:
+            sd[e.key] = values[(id(e.module), e.attr)]
     return sd
 
 
@@ -284,15 +288,13 @@ def full_grads(root: nn.Module) -> dict[str, torch.Tensor]:
     check_idle(root, "gather gradients")
     values = _gather_slots(flat_params(root), grads=True, keep=True)
     out: dict[str, torch.Tensor] = {}
-    for prefix, module in clean_named_modules(root):
-        pre = f"{prefix}." if prefix else ""
-        for name in _param_names(module):
-            p = module._parameters.get(name)
-            if (id(module), name) in values:
-                out[pre + name] = values[(id(module), name)]
-            elif p is not None and p.requires_grad:
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                out[pre + name] = grad.detach().to("cpu", torch.float32, copy=True)
+    for e in state_keys(root):
+        p = e.tensor
+        if p is None and (id(e.module), e.attr) in values:
+            out[e.key] = values[(id(e.module), e.attr)]
+        elif isinstance(p, nn.Parameter) and p.requires_grad:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            out[e.key] = grad.detach().to("cpu", torch.float32, copy=True)
     return out
 
 

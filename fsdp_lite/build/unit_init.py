@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_lite.build import deferred_init, ownership
+from fsdp_lite.build.wrap import unowned_parameters
 from fsdp_lite.core import collectives, dtensors, optimizer_check
 from fsdp_lite.core.checks import check_param, check_split_modules
 from fsdp_lite.core.flat_param import FlatParam, ParamSlot
@@ -22,7 +23,6 @@ from fsdp_lite.core.tree import (
     unit_of,
 )
 from fsdp_lite.core.unit import Unit
-from fsdp_lite.build.wrap import unowned_parameters
 
 
 def _flattened_by_nested(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
