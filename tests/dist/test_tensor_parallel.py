@@ -327,6 +327,26 @@ def _state_dicts() -> None:
     del ref
 
 
+def _sharded_state_dict() -> None:
+    """FSDP1's SHARDED_STATE_DICT of a TP model: ShardedTensors of the global shapes (each
+    rank's boxes of its local tensors), loaded into another TP model: the same state."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    torch.manual_seed(0)
+    model = _wrap_transformer(Transformer(tied=True), sp=True)
+    torch.manual_seed(7)
+    other = _wrap_transformer(Transformer(tied=True), sp=True)
+    with fsdp_lite.FSDPModule.state_dict_type(model, "sharded"):
+        sd = model.state_dict()
+    weight = sd["layers.0.attention.wq.weight"]
+    assert isinstance(weight, ShardedTensor) and tuple(weight.size()) == (16, 16), weight
+    with fsdp_lite.FSDPModule.state_dict_type(other, "sharded"):
+        other.load_state_dict(sd)
+    want = model.state_dict()
+    for key, value in other.state_dict().items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=0, msg=key)
+
+
 def _summon() -> None:
     """Inside summon_full_params a TP parameter is the DTensor it was before wrapping
     (same placements, its full tensor the unwrapped model's); writeback lands in the shard."""
@@ -343,6 +363,17 @@ def _summon() -> None:
     torch.testing.assert_close(
         model.state_dict()["layers.0.attention.wq.weight"], 2 * ref.layers[0].attention.wq.weight
     )
+    # with_grads: the gradient is a DTensor too, its full tensor the unwrapped model's
+    model.load_state_dict(ref.state_dict())
+    x, y = _tokens(0)
+    _lm_loss(ref, (x, y)).backward()
+    index, parts = _dp_slice()
+    _lm_loss(model, (x.chunk(parts)[index], y.chunk(parts)[index])).backward()
+    with fsdp_lite.FSDPModule.summon_full_params(model, writeback=False, with_grads=True):
+        grad = wq.weight.grad
+        assert isinstance(grad, DTensor) and grad.placements == (Shard(0),), grad
+        want = ref.layers[0].attention.wq.weight.grad
+        torch.testing.assert_close(grad.full_tensor(), want, rtol=1e-4, atol=1e-7)
 
 
 def _parallelized_after_wrapping() -> None:
@@ -509,6 +540,7 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
         ("loss_parallel over a vocab-sharded head", _loss_parallel),
         ("state_dict: full plain tensors; load_state_dict", _state_dicts),
         ("summon_full_params: DTensors as before wrapping, writeback", _summon),
+        ("SHARDED_STATE_DICT: global shapes, loads into another TP model", _sharded_state_dict),
         ("steady state: no host sync, FSDP collectives apart from TP's", _steady_state),
         ("refused: parallelize_module after wrapping", _parallelized_after_wrapping),
         ("refused: a DTensor on the dp dim", _dtensor_on_the_dp_dim),
