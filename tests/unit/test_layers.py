@@ -57,10 +57,16 @@ def _layer(name: str) -> str:
 def test_core_and_addons_import_only_downwards() -> None:
     forbidden = {
         "fsdp_lite.core": (
-            "fsdp_lite.build", "fsdp_lite.addons", "fsdp_lite.fsdp", "fsdp_lite.testing"
+            "fsdp_lite.build",
+            "fsdp_lite.addons",
+            "fsdp_lite.fsdp",
+            "fsdp_lite.testing",
         ),
         "fsdp_lite.build": (
-            "fsdp_lite.addons", "fsdp_lite.fsdp", "fsdp_lite.planner", "fsdp_lite.testing"
+            "fsdp_lite.addons",
+            "fsdp_lite.fsdp",
+            "fsdp_lite.planner",
+            "fsdp_lite.testing",
         ),
         "fsdp_lite.fsdp": ("fsdp_lite.planner", "fsdp_lite.testing"),
         "fsdp_lite.addons": ("fsdp_lite.planner", "fsdp_lite.testing"),
