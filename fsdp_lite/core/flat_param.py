@@ -122,9 +122,12 @@ class FlatParam:
         self.full_data: torch.Tensor | None = None
         # The autograd leaf the module's views hang off; same storage as full_data.
         self.full: torch.Tensor | None = None
-        # Called with the full gradient once it is complete (the unit's post-backward).
-        self.post_accumulate_hook: Callable[[torch.Tensor], None] | None = None
-        self._hooked = False  # post_accumulate_hook registered on ``full``
+        # Called with the full gradient once it is complete (set by ``on_grad_complete``).
+        self._grad_hook: Callable[[torch.Tensor], None] | None = None
+        self._hooked = False  # _grad_hook registered on ``full``
+        # Did this backward's first reduced gradient find no shard grad (True: it made one)
+        # or add to one (False)? None: nothing reduced since the last end of backward.
+        self.grad_made: bool | None = None
         # fp32 sum of gradients kept unreduced under no_sync.  shape: (padded_numel,)
         self.unsharded_grad: torch.Tensor | None = None
         # An all-gather in flight into full_data, and its send buffer (kept alive until done).
@@ -186,9 +189,14 @@ class FlatParam:
     def _hook_full(self) -> None:
         """The post-accumulate hook on ``full``, once, when it is trainable."""
         if self.requires_grad and not self._hooked and self.full is not None:
-            if self.post_accumulate_hook is not None:
-                self.full.register_post_accumulate_grad_hook(self.post_accumulate_hook)
+            if self._grad_hook is not None:
+                self.full.register_post_accumulate_grad_hook(self._grad_hook)
                 self._hooked = True
+
+    def on_grad_complete(self, hook: Callable[[torch.Tensor], None]) -> None:
+        """Call ``hook`` with the full gradient once it is complete, every backward."""
+        self._grad_hook = hook
+        self._hook_full()
 
     def set_requires_grad(self, requires_grad: bool) -> None:
         """Freeze or unfreeze after wrapping (between steps): from now on the full buffer
@@ -405,17 +413,30 @@ class FlatParam:
             for i, lo, hi, at in self.pieces()
         ]
 
-    def link_orig_grads(self) -> None:
-        """End of backward: the optimizer's parameters see the new shard grad."""
-        if self.orig_params is not None:
-            self.orig_params.link()
-
     def accumulate(self, grad: torch.Tensor) -> None:
         """Add a reduced shard grad (compute device, reduce dtype) to the shard's fp32 grad,
         in its home (orig params: linked again at the end of backward)."""
         if self.orig_params is not None and self.shard.grad is None:
             self.shard.grad = self.orig_params.fold()
+        if self.grad_made is None:
+            self.grad_made = self.shard.grad is None
         self.home.accumulate_grad(self.shard, grad)
+
+    def link_orig_grads(self) -> None:
+        """End of backward (its home settled): the optimizer's parameters see the shard
+        grad."""
+        self.grad_made = None
+        if self.orig_params is not None:
+            self.orig_params.link()
+
+    def drop_partial_grad(self) -> bool:
+        """An interrupted backward (its home settled): drop the shard grad it made. True if
+        it added to a grad of earlier backwards instead, which keeps what it added."""
+        made = self.grad_made
+        if made:
+            self.shard.grad = None
+        self.link_orig_grads()
+        return made is False
 
     # -- gradients ---------------------------------------------------------------
 

@@ -1,9 +1,10 @@
-"""Gradient reduction of one flat param: the averaging reduce-scatter of its full
-gradient (whole, or in widened pieces), and the ``PendingGrad`` that carries the result
-into the shard's fp32 grad at the end of backward."""
+"""Gradient reduction: the averaging reduce-scatter of a flat param's full gradient
+(whole, or in widened pieces), the ``PendingGrad`` that carries its result into the
+shard's fp32 grad, and ``InFlight``, the root's queue of them."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -106,12 +107,55 @@ def _reduce_widened(
     return works
 
 
+class InFlight:
+    """A root's reduce-scatters in flight, in issue order (the same on every rank, whatever
+    the timing): each gradient reaches its shard grad a step or two behind its issue.
+
+    Before a reduce-scatter is issued the one before it is waited for, so at most one is
+    in flight. Until waited for, each holds memory the size of its full gradient (gloo's
+    copy; NCCL's stashed input); the previous one had a unit's whole backward to finish.
+    With hybrid sharding that wait starts its replicate all-reduce, which then has the
+    next unit's backward to overlap. Once issued, every earlier result whose replicate
+    all-reduce (if any) had that time is added to its shard grad (``PendingGrad.finish``)
+    and its output freed, so a backward holds at most two reduced outputs, not one per
+    flat param."""
+
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        self.pending: list[PendingGrad] = []
+        self.stream = stream  # where widened gradients are reduced (see _reduce_widened)
+
+    def issue(self, flat: FlatParam, reduce_dtype: torch.dtype) -> None:
+        """Reduce-scatter the gradient ``flat`` holds; finish what is settled."""
+        if self.pending:
+            self.pending[-1].wait_and_replicate()  # every earlier one was, the same way
+        pending = reduce_scatter(flat, reduce_dtype, self.stream)
+        if pending is None:
+            return
+        self.pending.append(pending)
+        replicating = len(self.pending) > 1 and self.pending[-2].replicated is not None
+        self._finish(keep=2 if replicating else 1)
+
+    def drain(self) -> None:
+        """End of backward: every result into its shard grad, in issue order."""
+        self._finish(keep=0)
+
+    def _finish(self, keep: int) -> None:
+        while len(self.pending) > keep:
+            self.pending.pop(0).finish()
+
+    def abandon(self) -> None:
+        """An interrupted backward: wait for what is in flight, add none of it."""
+        for pending in self.pending:
+            with contextlib.suppress(Exception):
+                pending.wait()
+        self.pending.clear()
+
+
 @dataclass
 class PendingGrad:
     """A reduce-scatter in flight (one or more collectives); ``finish`` adds its result to
-    the shard's fp32 grad. With hybrid sharding, ``replicate`` starts the all-reduce of
-    the result across replicas as soon as the reduce-scatter is waited for (the next
-    unit's post-backward), in reduce-scatter order, the same on every rank.
+    the shard's fp32 grad. With hybrid sharding, ``wait_and_replicate`` starts the
+    all-reduce of the result across replicas as soon as the reduce-scatter is waited for.
 
     The full-size input is not referenced here: the process group keeps what the
     collective needs alive until it completes (gloo reduces a copy of its own, NCCL

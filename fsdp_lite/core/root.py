@@ -28,7 +28,6 @@ head tied to the embedding stays in the root (a tied parameter lives in one unit
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 import weakref
@@ -42,7 +41,7 @@ from fsdp_lite.core.checks import check_at_first_forward
 from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.nested import cast_floats, hook_gradient_nodes, tensors_in
 from fsdp_lite.core.optimizer_check import loose_parameters, shapes_of
-from fsdp_lite.core.reduce import PendingGrad
+from fsdp_lite.core.reduce import InFlight
 from fsdp_lite.core.state import TrainingState, in_backward
 from fsdp_lite.core.tree import clean_named_modules, region_modules, unit_of, units_of, unwrap
 from fsdp_lite.core.unit import Unit, outside_inference_mode
@@ -70,12 +69,7 @@ def register_hooks(unit: Unit) -> None:
     unit.module.register_forward_pre_hook(disable(pre), prepend=True, with_kwargs=True)
     # always_call: also after an exception in forward, to reshard and return to IDLE.
     unit.module.register_forward_hook(disable(post), with_kwargs=True, always_call=True)
-    for flat in unit.flat_params:
-        # Weak references: autograd holds the hook from C++, where Python's garbage
-        # collector cannot see the cycle unit -> flat -> full -> hook -> unit.
-        flat.post_accumulate_hook = functools.partial(
-            _post_accumulate, weakref.ref(unit), weakref.ref(flat)
-        )
+    unit.on_grad_complete(_post_backward)
 
 
 def release_nested(unit: Unit) -> None:
@@ -87,9 +81,8 @@ def release_nested(unit: Unit) -> None:
         old.release()
 
 
-def _post_accumulate(unit_ref: weakref.ref, flat_ref: weakref.ref, full: torch.Tensor) -> None:
-    unit = unit_ref()
-    unit.root.post_backward(unit, flat_ref())
+def _post_backward(unit: Unit, flat: FlatParam) -> None:
+    unit.root.post_backward(unit, flat)
 
 
 class Root:
@@ -124,10 +117,9 @@ class Root:
         self.backward_order: schedule.ExecOrder[Unit] = schedule.ExecOrder("backward")
         self.schedule = self._build_schedule()
         self.prefetched: set[Unit] = set()  # gathered ahead, not yet run
-        self.pending: list[PendingGrad] = []  # reduce-scatters in flight
-        # Where widened gradients are reduced on CUDA (reduce._reduce_widened), as FSDP2's
-        # reduce-scatter stream; None elsewhere.
-        self.reduce_stream = devices.new_stream(unit.device)
+        # The reduce-scatters in flight. Widened gradients are reduced on a stream of their
+        # own on CUDA (reduce._reduce_widened), as FSDP2's reduce-scatter stream.
+        self.in_flight = InFlight(devices.new_stream(unit.device))
         self.callback_queued = False  # the end-of-backward callback of this backward
         self.inputs_checked = False  # see _check_inputs
         self.averaging_queued = False  # _average_alone queued (a backward through no unit)
@@ -139,7 +131,7 @@ class Root:
         root takes them at its first forward. A unit of this tree run again afterwards
         joins that root, or makes a root of its own."""
         busy = [u for u in self.units if u.state is not TrainingState.IDLE]
-        if busy or self.pending or self.callback_queued:
+        if busy or self.in_flight.pending or self.callback_queued:
             what = f"unit '{busy[0].name}' is in state {busy[0].state.name}" if busy else (
                 "its backward has not finished")  # fmt: skip
             raise RuntimeError(
@@ -244,23 +236,32 @@ class Root:
         if self.callback_queued or any(u.in_backward() for u in self.units):
             warnings.warn(
                 "fsdp_lite: the previous backward did not finish (did it raise?); resetting "
-                "every unit to IDLE and dropping its unfinished gradient reductions",
+                "every unit to IDLE and dropping the gradients that backward made",
                 stacklevel=5,
             )
             self.reset()
 
     def reset(self) -> None:
-        """Forget an interrupted iteration: every unit resharded and IDLE, nothing in flight."""
-        for pending in self.pending:
-            with contextlib.suppress(Exception):
-                pending.wait()
-        self.pending.clear()
+        """Forget an interrupted iteration: every unit resharded and IDLE, nothing in flight,
+        the gradients its backward made dropped. Those it added to gradients of earlier
+        backwards (accumulation without ``no_sync``) cannot be told apart and stay, as in a
+        model without fsdp_lite: a warning says so."""
+        self.in_flight.abandon()
+        for home in self.homes:
+            home.end_of_backward()
+        added = False
         for unit in self.units:
-            unit.end_backward(keep=False)
-            unit.drop_unreduced_grads()
+            added |= unit.abandon_backward()
         self.prefetched.clear()
         self.callback_queued = False
         self.averaging_queued = False
+        if added:
+            warnings.warn(
+                "fsdp_lite: the interrupted backward added part of its gradients to those of "
+                "earlier backwards (accumulation without no_sync), where they stay, as they "
+                "would in a model without fsdp_lite: call optimizer.zero_grad() to drop them",
+                stacklevel=4,
+            )
 
     def _free_kept(self) -> None:
         """Free full parameters kept from the last forward (the root's,
@@ -362,7 +363,7 @@ class Root:
         """``flat``'s full gradient is complete: free it and reduce-scatter the gradient."""
         if unit.grad_complete(flat):
             with accounting.region("fsdp_lite::post_backward"):
-                unit.reduce_grad(flat, self.pending, self.reduce_stream)
+                unit.reduce_grad(flat, self.in_flight)
 
     def finish_backward(self) -> None:
         """End of backward: reduce what no hook took, wait for every reduce-scatter, set shard
@@ -375,18 +376,13 @@ class Root:
         with accounting.region("fsdp_lite::finish_backward"):
             for unit in self.units:
                 for flat in unit.flat_params:
-                    unit.reduce_grad(flat, self.pending, self.reduce_stream)
+                    unit.reduce_grad(flat, self.in_flight)
             averaging = self.replicas.start() if self.root_unit.sync_grads else None
-            for pending in self.pending:
-                pending.finish()
-            self.pending.clear()
+            self.in_flight.drain()
             if averaging is not None:
                 averaging.finish()
             for home in self.homes:
                 home.end_of_backward()
-            for unit in self.units:
-                for flat in unit.flat_params:
-                    flat.link_orig_grads()  # the optimizer's parameters see the new grads
             for unit in self.units:
                 unit.end_backward()
             self.prefetched.clear()

@@ -11,8 +11,10 @@ step, ``addons/summon.py`` moves a unit in and out of SUMMON_FULL_PARAMS.
     end_forward      reshard unless kept; IDLE
     start_backward   PRE_BACKWARD; views back for a recompute
     grad_complete    a flat param's gradient is complete: POST_BACKWARD, free it
-    reduce_grad      reduce-scatter (or keep under no_sync) what gradient it holds
-    end_backward     resharded and IDLE, whatever the backward reached
+    reduce_grad      reduce-scatter (or keep under no_sync) what gradient it holds;
+                     the root's queue adds earlier results to their shard grads
+    end_backward     the optimizer's parameters see the grads; resharded and IDLE
+    abandon_backward after an interrupted backward: its gradients dropped; IDLE
 
 [Note: when a unit's backward is over]
 One rule, from two autograd events, for every unit. A trainable flat param is done when
@@ -55,18 +57,20 @@ an op of the unit, would break this: ``tests/unit/test_freeing_order.py`` fails 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from fsdp_lite.core import collectives, reduce
+from fsdp_lite.core import collectives
 from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.nested import tensors_in
 from fsdp_lite.core.policies import MixedPrecision, PrefetchPolicy
-from fsdp_lite.core.reduce import PendingGrad
+from fsdp_lite.core.reduce import InFlight
 from fsdp_lite.core.state import TrainingState, check_state
 
 _BACKWARD_STATES = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
@@ -139,6 +143,15 @@ class Unit:
 
     def own(self, flats: list[FlatParam]) -> None:
         self.flat_params = flats
+
+    def on_grad_complete(self, hook: Callable[[Unit, FlatParam], None]) -> None:
+        """Call ``hook(unit, flat)`` when a flat param's full gradient is complete."""
+        for flat in self.flat_params:
+            # Weak references: autograd holds the hook from C++, where Python's garbage
+            # collector cannot see the cycle unit -> flat -> full -> hook -> unit.
+            flat.on_grad_complete(
+                functools.partial(_grad_complete, weakref.ref(self), weakref.ref(flat), hook)
+            )
 
     def set_name(self, name: str) -> None:
         """Its path in the root's tree (the root names every unit when it is made)."""
@@ -248,29 +261,15 @@ class Unit:
             flat.reshard()
         return True
 
-    def reduce_grad(
-        self, flat: FlatParam, in_flight: list[PendingGrad], stream: torch.cuda.Stream | None
-    ) -> None:
-        """Reduce-scatter the gradient ``flat`` holds onto ``in_flight`` (the root's queue),
-        or keep it under no_sync: the one reduce path, from the gradient's hook and, for
-        every flat param, from the root's end of backward. Idempotent: a gradient already
-        taken leaves nothing to do.
-
-        At most one reduce-scatter is in flight: before this one is issued, the one before
-        it is waited for. Until waited for, each holds memory the size of its full gradient
-        (gloo's copy; NCCL's stashed input); the previous one had this unit's whole
-        backward to finish. With hybrid sharding its replicate all-reduce starts then,
-        overlapping this backward. Results reach the shard grads at the end of backward,
-        in issue order; every rank issues the same collectives in the same order whatever
-        the timing. ``stream``: where widened gradients are reduced (the root's)."""
+    def reduce_grad(self, flat: FlatParam, in_flight: InFlight) -> None:
+        """Reduce-scatter the gradient ``flat`` holds through ``in_flight`` (the root's
+        queue, which adds earlier results to their shard grads), or keep it under no_sync:
+        the one reduce path, from the gradient's hook and, for every flat param, from the
+        root's end of backward. Idempotent: a gradient already taken leaves nothing to do."""
         if not flat.has_leftover_grad(self.sync_grads):
             return
         if self.sync_grads:
-            if in_flight:
-                in_flight[-1].wait_and_replicate()  # every earlier one was waited for the same way
-            pending = reduce.reduce_scatter(flat, self.reduce_dtype(flat), stream)
-            if pending is not None:
-                in_flight.append(pending)
+            in_flight.issue(flat, self.reduce_dtype(flat))
         else:
             flat.accumulate_unsharded()
         self.grads_pending.discard(id(flat))
@@ -315,19 +314,37 @@ class Unit:
         mp = self.mixed_precision
         return flat.shard.dtype if mp is None else mp.effective_reduce_dtype
 
-    def end_backward(self, keep: bool = True) -> None:
-        """IDLE, whatever this backward reached; resharded unless accumulating (and
-        ``keep``: False after an interrupted backward)."""
-        if keep and self.accumulating():
+    def end_backward(self) -> None:
+        """The backward is over and its gradients are in the shard grads (homes settled):
+        the optimizer's parameters see them; resharded unless accumulating; IDLE."""
+        for flat in self.flat_params:
+            flat.link_orig_grads()
+        if self.accumulating():
             self.kept_stamp = self._stamp()
         else:
             self.reshard()
+        self._idle()
+
+    def abandon_backward(self) -> bool:
+        """An interrupted backward (homes settled): drop the gradients it made or did not
+        reduce; resharded, IDLE. True if it added some to gradients of earlier backwards,
+        where they stay (as in a model without fsdp_lite)."""
+        added = False
+        for flat in self.flat_params:
+            if flat.full is not None:
+                flat.full.grad = None
+            added |= flat.drop_partial_grad()
+        self.reshard()
+        self._idle()
+        return added
+
+    def _idle(self) -> None:
         for flat in self.flat_params:
             flat.views = None  # they belong to this iteration's graph
         self.state = TrainingState.IDLE
 
     def drop_unreduced_grads(self) -> None:
-        """Forget gradients no backward reduced (an interrupted iteration)."""
+        """Forget gradients no backward reduced."""
         for flat in self.flat_params:
             if flat.full is not None:
                 flat.full.grad = None
@@ -335,6 +352,12 @@ class Unit:
     def unreduced_grad(self) -> bool:
         """A gradient kept by ``grad_complete`` in IDLE that no backward reduced yet?"""
         return any(f.full is not None and f.full.grad is not None for f in self.flat_params)
+
+
+def _grad_complete(
+    unit_ref: weakref.ref, flat_ref: weakref.ref, hook: Callable, full: torch.Tensor
+) -> None:
+    hook(unit_ref(), flat_ref())
 
 
 class _Watch:

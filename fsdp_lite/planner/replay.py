@@ -19,9 +19,10 @@ Each term is one named line of the breakdown, each following one place of the co
   reduce-scatter in flight until the next unit's post-backward waits for it
   (``Unit.reduce_grad``): the input itself (the cast, or the full
   gradient), which NCCL stashes and gloo all-reduces in place. The fake keeps nothing.
-- ``gradients``: the reduce-scatter outputs (shard-sized, reduce dtype) waiting in
-  ``Root.pending`` for the end of backward, then the fp32 shard grads they become
-  (``PendingGrad.finish``; a copy where the reduce dtype is not the master dtype).
+- ``gradients``: the reduce-scatter outputs (shard-sized, reduce dtype) in the root's
+  queue (``reduce.InFlight``) until the next reduce-scatter is issued, then the fp32 shard
+  grads they become (``PendingGrad.finish``; a copy where the reduce dtype is not the
+  master dtype).
 - ``activations``, ``backward_temporaries``: (traced) see ``planner/trace.py``.
 - ``optimizer_temporaries``: what the optimizer step allocates: AdamW's ``denom`` (a square
   root and a quotient per shard, while the previous shard's ``denom`` is still held) or,
@@ -122,12 +123,19 @@ class _Replay:
         self.temporaries = _optimizer_temporaries(trainable, cfg.optimizer_temporaries)
         self.gathered: set[tuple[int, int]] = set()  # (unit, flat)
         self.sends: dict[int, int] = {}  # unit -> its prefetch's send buffer, until waited
-        self.outs = 0  # reduce-scatter outputs waiting for the end of backward
+        self.outs = 0  # reduce-scatter outputs not yet added to their shard grads
+        self.in_flight: list[tuple[int, int]] = []  # (unit, flat) issued, not yet added
         self.host_staged = 0  # offload: reduced grads copied to host during backward
+        self.host_copies = 0  # offload: their fp32 copies at the end of backward
         self.held = 0  # the backend's buffer for the reduce-scatter in flight
-        self.grads = 0  # fp32 shard grads, after the end of backward
+        self.grads = 0  # fp32 shard grads
+        self.with_grad: set[tuple[int, int]] = set()  # flat params whose shard grad exists
         self.host_at_end = 0  # offload: host bytes of grads while backward finishes
         if cfg.accumulation == "sync" and not cfg.offload_to_host:  # earlier micro-batches'
+            self.with_grad = {
+                (u, i) for u, unit in enumerate(units) for i, f in enumerate(unit.flats)
+                if f.requires_grad
+            }  # fmt: skip
             self.grads = sum(f.shard_bytes for f in trainable)
         self.forward_order: list[int] = []  # units whose forward ran in this pass
         self.recorded_forward = [m.unit for m in _firsts(trace.marks, "pre_forward")]
@@ -194,6 +202,23 @@ class _Replay:
 
     def _reduce_dtype(self, flat: FlatLayout) -> torch.dtype:
         return self.cfg.reduce_dtype or flat.master_dtype
+
+    def _finish(self, key: tuple[int, int], traced: dict[str, int], label: str) -> None:
+        """``PendingGrad.finish``: the output added to its shard grad (through an fp32 copy
+        where the reduce dtype is not the master dtype), then freed; offloaded, copied to
+        the host and added there at the end of backward."""
+        flat = self._flat(*key)
+        reduce_dtype = self._reduce_dtype(flat)
+        copy = flat.shard_bytes if reduce_dtype != flat.master_dtype else 0
+        if self.cfg.offload_to_host:
+            self.host_staged += flat.shard_numel * reduce_dtype.itemsize
+            self.host_copies += copy
+        elif copy:
+            self.consider(traced, label, gradients=copy)
+        if key not in self.with_grad:
+            self.with_grad.add(key)
+            self.grads += flat.shard_bytes
+        self.outs -= flat.shard_numel * reduce_dtype.itemsize
 
 
 def replay(units: list[UnitLayout], trace: StepTrace, cfg: ReplayConfig) -> Peak:
@@ -322,9 +347,10 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
     r.outs += out
     if r.resident["grad_accumulators"]:  # the last micro-batch reduced this one's sum
         r.resident["grad_accumulators"] -= flat.padded_numel * flat.master_dtype.itemsize
-    if r.cfg.offload_to_host:
-        r.host_staged += out
     r.held = kept
+    for key in r.in_flight:  # InFlight.issue: the one before is added to its shard grad
+        r._finish(key, mark.at, label)
+    r.in_flight = [(mark.unit, mark.flat)]
     r.reduced.add((mark.unit, mark.flat))
     unit = r.units[mark.unit]
     trainable = [(mark.unit, i) for i, f in enumerate(unit.flats) if f.requires_grad]
@@ -333,21 +359,14 @@ def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
 
 
 def _end_of_backward(r: _Replay, mark: Mark) -> None:
-    """``Root.finish_backward``: every reduce-scatter waited for, results into fp32 shard
-    grads (a copy where the reduce dtype differs), every unit resharded."""
+    """``Root.finish_backward``: the last reduce-scatter waited for, its result into its
+    shard grad; offloaded grads added on the host; every unit resharded."""
     r.held = 0
-    grads = copies = 0
-    for u, i in r.reduced:
-        flat = r._flat(u, i)
-        grads += flat.shard_bytes
-        if r._reduce_dtype(flat) != flat.master_dtype:
-            copies += flat.shard_bytes
+    for key in r.in_flight:
+        r._finish(key, mark.at, "end of backward (shard grads)")
+    r.in_flight = []
     if r.cfg.offload_to_host:
-        r.host_at_end = r.host_staged + copies
-    elif copies:
-        r.consider(mark.at, "end of backward (shard grads)", gradients=copies)
-    r.outs = 0
-    r.grads = max(r.grads, grads)
+        r.host_at_end = r.host_staged + r.host_copies
     if not r.keep_all:
         r.gathered.clear()
     r.sends.clear()

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp_lite
-from fsdp_lite.core import collectives
+from fsdp_lite.core import collectives, reduce
 from fsdp_lite.core.tree import units_of
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import compare_training
@@ -39,16 +39,26 @@ def _equivalence_runs(world: int, groups, tmp: str) -> list:
 
 
 def _observed_collectives(rank: int, world: int, groups) -> None:
+    """Gathers stay in the shard group; each reduce-scatter is issued while the replicate
+    all-reduce of the one before is still in flight (overlapping this unit's backward),
+    and the root holds no more than those two results."""
     shard_group, _ = groups
     mates = set(dist.get_process_group_ranks(shard_group))
     gathers: list[set[int]] = []
-    original = collectives.all_gather_flat
+    queued: list[tuple[int, bool]] = []  # at each reduce-scatter: (results held, overlap)
+    original, reduce_scatter = collectives.all_gather_flat, reduce.reduce_scatter
 
     def spy(output, shard, group, **kw):
         gathers.append(set(dist.get_process_group_ranks(group)))
         return original(output, shard, group, **kw)
 
-    collectives.all_gather_flat = spy
+    def spy_reduce(flat, *args):
+        pending = units_of(model)[0].root.in_flight.pending
+        overlap = not pending or not pending[-1].replicated.waited
+        queued.append((len(pending), overlap))
+        return reduce_scatter(flat, *args)
+
+    collectives.all_gather_flat, reduce.reduce_scatter = spy, spy_reduce
     try:
         model = wrap_blocks(gpt(), process_group=groups)
         trainable = sum(f.requires_grad for u in units_of(model) for f in u.flat_params)
@@ -60,8 +70,9 @@ def _observed_collectives(rank: int, world: int, groups) -> None:
             assert stats["replicate_all_reduce"]["calls"] == trainable, stats
             assert stats["reduce_scatter"]["calls"] == trainable, stats
     finally:
-        collectives.all_gather_flat = original
+        collectives.all_gather_flat, reduce.reduce_scatter = original, reduce_scatter
     assert gathers and all(g == mates for g in gathers), (mates, gathers)
+    assert queued and all(held <= 2 and overlap for held, overlap in queued), queued
 
 
 def _mesh_runs(world: int) -> list:

@@ -142,13 +142,15 @@ def _check_order_recorded_again_after_a_different_first_pass() -> None:
 
 def _check_reduce_scatter_inputs_bounded() -> None:
     """A backward keeps at most one reduce-scatter (holding memory the size of a full
-    gradient) in flight, not every unit's until its end."""
-    reduce_scatter, in_flight = reduce_module.reduce_scatter, []
+    gradient) in flight, not every unit's until its end; and, before each is issued, holds
+    at most the one result before it that has not reached its shard grad."""
+    reduce_scatter, in_flight, held = reduce_module.reduce_scatter, [], []
     model = wrap_blocks(gpt(n_layer=6))
 
     def spy(flat, *args):  # called once the previous reduce-scatter was waited for
-        pending = unit_of(model).root.pending
+        pending = unit_of(model).root.in_flight.pending
         in_flight.append(sum(not p.waited for p in pending) + 1)  # + the next
+        held.append(len(pending))
         return reduce_scatter(flat, *args)
 
     reduce_module.reduce_scatter = spy
@@ -160,6 +162,7 @@ def _check_reduce_scatter_inputs_bounded() -> None:
         reduce_module.reduce_scatter = reduce_scatter
     assert len(in_flight) == 2 * 7, in_flight  # before each unit's reduce-scatter
     assert max(in_flight) <= 1, in_flight
+    assert max(held) <= 1, held
 
 
 class Blocks(nn.Module):

@@ -163,9 +163,16 @@ class _Fails(nn.Module):
         return _FailsInBackward.apply(x)
 
 
+def _fails_between_units() -> nn.Sequential:
+    """Three units whose gradients are reduced before the failure, one after."""
+    layers = (nn.Linear(3, 4), _Fails(), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    return nn.Sequential(*layers)
+
+
 def test_exception_in_backward_leaves_model_usable(world1) -> None:
+    """The gradients the failed backward reduced before it raised are dropped."""
     torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(3, 4), _Fails(), nn.Linear(4, 1))
+    plain = _fails_between_units()
     model = fsdp_lite.FSDPModule(
         copy.deepcopy(plain), auto_wrap_policy=fsdp_lite.wrap.by_type(nn.Linear)
     )
@@ -184,6 +191,34 @@ def test_exception_in_backward_leaves_model_usable(world1) -> None:
     got = fsdp_lite.addons.state_dict.full_grads(model)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(got[name], p.grad)  # no stale gradient from the failed step
+
+
+def test_exception_in_backward_while_accumulating_warns(world1) -> None:
+    """A failed backward after an earlier one (accumulating without no_sync) added part of
+    its gradients to that one's: they stay, as in a model without fsdp_lite, with a
+    warning saying so; zero_grad drops them."""
+    torch.manual_seed(0)
+    plain = _fails_between_units()
+    model = fsdp_lite.FSDPModule(
+        copy.deepcopy(plain), auto_wrap_policy=fsdp_lite.wrap.by_type(nn.Linear)
+    )
+    x = torch.randn(5, 3)
+    try:
+        _FailsInBackward.fail = False
+        model(x).sum().backward()  # the first micro-batch
+        _FailsInBackward.fail = True
+        with pytest.raises(RuntimeError, match="injected backward failure"):
+            model(x).sum().backward()
+    finally:
+        _FailsInBackward.fail = False
+    with pytest.warns(UserWarning, match="added part of its gradients to those of earlier"):
+        out = model(x)
+    model.zero_grad()
+    out.sum().backward()
+    plain(x).sum().backward()
+    got = fsdp_lite.addons.state_dict.full_grads(model)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name], p.grad)
 
 
 def test_tie_across_sibling_units_wrapped_by_hand(world1) -> None:
