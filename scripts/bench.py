@@ -31,6 +31,7 @@ import bench_measure as bm  # noqa: E402
 from bench_systems import PRECISIONS, SYSTEMS, BenchConfig, rank_main  # noqa: E402
 
 from fsdp_lite.testing.models import GPT  # noqa: E402
+from fsdp_lite.testing.spawn import run_distributed  # noqa: E402
 
 MARKERS = "<!-- bench:begin -->", "<!-- bench:end -->"
 ACCUM_MARKERS = "<!-- bench-accum:begin -->", "<!-- bench-accum:end -->"
@@ -88,9 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_case(system: str, precision: str, cfg: BenchConfig, world: int) -> list[dict[str, Any]]:
     """``world`` fresh ranks for one case; each rank's result."""
-    return bm.spawn_ranks(
+    return run_distributed(
         rank_main, world, system, precision, cfg,
-        cuda=bm.use_cuda(world), threads=cfg.threads, timeout_s=cfg.timeout_s,
+        cuda=bm.use_cuda(world), threads=cfg.threads, timeout=cfg.timeout_s,
     )  # fmt: skip
 
 

@@ -42,6 +42,7 @@ from bench_systems import BenchConfig, make_batches, train_step  # noqa: E402
 
 import fsdp_lite  # noqa: E402
 from fsdp_lite.testing.models import GPT, Block  # noqa: E402
+from fsdp_lite.testing.spawn import run_distributed  # noqa: E402
 
 MARKERS = "<!-- bench-compile:begin -->", "<!-- bench-compile:end -->"
 MODES = ("eager", "compiled")
@@ -120,8 +121,8 @@ def run_rank(rank: int, world: int, cfg: BenchConfig, precision: str, mode: str)
 
 def run_case(cfg: BenchConfig, precision: str, mode: str, world: int) -> list[dict[str, Any]]:
     """``world`` fresh ranks (gloo) for one case; each rank's result."""
-    return bm.spawn_ranks(
-        run_rank, world, cfg, precision, mode, threads=cfg.threads, timeout_s=cfg.timeout_s
+    return run_distributed(
+        run_rank, world, cfg, precision, mode, threads=cfg.threads, timeout=cfg.timeout_s
     )
 
 

@@ -3,7 +3,7 @@ frozen base with LoRA adapters (the same Llama, the same batch, one unit per dec
 
     .venv/bin/python scripts/bench_lora.py [--layers 8 --hidden 256 --rounds 3 --steps 3]
 
-W ranks (gloo on CPU, ``bench_measure.spawn_ranks``) train one PEFT model (LoRA on
+W ranks (gloo on CPU, ``fsdp_lite.testing.run_distributed``) train one PEFT model (LoRA on
 q_proj and v_proj) in two modes: ``full`` makes every parameter trainable, ``lora`` only
 the adapters. Rounds alternate the modes (full, lora, full, lora, ...); each figure is the
 median over rounds, the larger of the ranks'. Per mode:
@@ -39,6 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # measure this checkout's fsd
 import bench_measure as bm  # noqa: E402
 
 import fsdp_lite  # noqa: E402
+from fsdp_lite.testing.spawn import run_distributed  # noqa: E402
 
 MODES = ("full", "lora")
 BACKWARD = "bench::backward"
@@ -172,7 +173,7 @@ def table(s: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    ranks = bm.spawn_ranks(rank_main, args.world_size, args, timeout_s=900.0)
+    ranks = run_distributed(rank_main, args.world_size, args, timeout=900.0)
     print(table(summarize(ranks), args))
 
 

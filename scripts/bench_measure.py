@@ -32,7 +32,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
@@ -107,54 +106,6 @@ def rank_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def spawn_ranks(
-    fn: Callable[..., Any],
-    world: int,
-    *args: Any,
-    cuda: bool = False,
-    threads: int = 1,
-    timeout_s: float = 600.0,
-) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` freshly spawned ranks of one process group
-    (gloo; NCCL, a GPU per rank, with ``cuda``); each rank's JSON-able result, by rank.
-
-    Fresh processes per case: nothing one case allocates, compiles or caches in memory
-    is left for the next. ``fn`` must be a module-level function.
-    """
-    with tempfile.TemporaryDirectory(prefix="fsdp_bench_") as tmp:
-        mp.spawn(
-            _spawned_rank,
-            args=(fn, world, args, cuda, threads, timeout_s, tmp),
-            nprocs=world,
-            join=True,
-        )
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
-
-
-def _spawned_rank(
-    rank: int, fn: Callable, world: int, args: tuple, cuda: bool, threads: int,
-    timeout_s: float, tmp: str,
-) -> None:  # fmt: skip
-    torch.set_num_threads(threads)
-    os.environ["LOCAL_RANK"] = str(rank)
-    device = torch.device("cuda", rank) if cuda else None
-    if device is not None:
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **({"device_id": device} if device is not None else {}),
-    )
-    try:
-        result = fn(rank, world, *args)
-        Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -65,6 +65,7 @@ from torch import nn  # noqa: E402
 import fsdp_lite  # noqa: E402
 from fsdp_lite.core.tree import units_of  # noqa: E402
 from fsdp_lite.testing.models import GPT, Block, GPTConfig  # noqa: E402
+from fsdp_lite.testing.spawn import run_distributed  # noqa: E402
 
 CASES = ("default + AdamW", "whole + AdamW", "whole + Muon", "FSDP2 + Muon (gather)")
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
@@ -334,7 +335,7 @@ def layout(rank: int, world: int, cfg: MuonBenchConfig) -> dict[str, Any]:
 
 def run_gloo(cfg: MuonBenchConfig, world: int) -> list[dict[str, Any]]:
     """Every case on ``world`` real gloo ranks, one thread each."""
-    return bm.spawn_ranks(run_cases, world, cfg, timeout_s=cfg.timeout_s)
+    return run_distributed(run_cases, world, cfg, timeout=cfg.timeout_s)
 
 
 def run_fake(cfg: MuonBenchConfig, world: int) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ import bench_measure as bm  # noqa: E402
 
 import fsdp_lite  # noqa: E402
 from fsdp_lite.testing.models import GPT, Block, GPTConfig  # noqa: E402
+from fsdp_lite.testing.spawn import run_distributed  # noqa: E402
 
 
 def _rank(rank: int, world: int, mode: str, args: dict, tmp: str) -> dict:
@@ -81,7 +82,7 @@ def main() -> None:
     results = {}
     for mode in ("none", "cpu", "ssd"):
         with tempfile.TemporaryDirectory(prefix="fsdp_lite_ssd_") as tmp:
-            per_rank = bm.spawn_ranks(_rank, args["world_size"], mode, args, tmp, timeout_s=1800)
+            per_rank = run_distributed(_rank, args["world_size"], mode, args, tmp, timeout=1800)
         results[mode] = per_rank[0]
         print(f"{mode}: {per_rank[0]}", file=sys.stderr)
     print(_table(results, args))

@@ -24,6 +24,7 @@ import bench_measure as bm  # noqa: E402
 import bench_systems as bs  # noqa: E402
 
 from fsdp_lite.testing.memory import QuietProfile  # noqa: E402
+from fsdp_lite.testing.spawn import run_distributed  # noqa: E402
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> str | None:
@@ -54,7 +55,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--rows", type=int, default=30)
     args = parser.parse_args()
-    print(bm.spawn_ranks(_rank, 2, args)[0])
+    print(run_distributed(_rank, 2, args, timeout=600)[0])
 
 
 if __name__ == "__main__":

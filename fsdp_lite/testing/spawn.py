@@ -1,4 +1,4 @@
-"""Spawn W ranks (gloo, file-store rendezvous), run one function on each, report failures.
+"""Spawn W ranks (gloo; NCCL with a GPU each), run one function on each, report failures.
 
 Run many cases inside one spawn: spawning costs seconds, a case milliseconds.
 """
@@ -24,16 +24,23 @@ class DistributedTestError(AssertionError):
     """One or more ranks failed or hung; the message holds each rank's traceback."""
 
 
-def _worker(fn, rank: int, world_size: int, init_file: str, results, args, timeout: float) -> None:
-    torch.set_num_threads(1)
+def _worker(
+    fn, rank: int, world_size: int, init_file: str, results, args, timeout: float, cuda: bool,
+    threads: int,
+) -> None:  # fmt: skip
+    torch.set_num_threads(threads)
     os.environ.setdefault("LOCAL_RANK", str(rank))
     try:
+        device = torch.device("cuda", rank) if cuda else None
+        if device is not None:
+            torch.cuda.set_device(device)
         dist.init_process_group(
-            "gloo",
+            "nccl" if cuda else "gloo",
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
+            **({"device_id": device} if device is not None else {}),
         )
         value = fn(rank, world_size, *args)
         buffer = io.BytesIO()  # tensors travel as bytes: shared memory dies with this process
@@ -52,6 +59,8 @@ def run_distributed(
     *args: Any,
     timeout: float = 180.0,
     pg_timeout: float | None = None,
+    cuda: bool = False,
+    threads: int = 1,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on spawned ranks; return each rank's result.
 
@@ -60,7 +69,8 @@ def run_distributed(
     start (or 10 s after another rank failed) are killed and reported as hung. The process
     group's own timeout (a collective's, before the backend fails it) is ``pg_timeout``,
     by default ``timeout``: a test of what a rank does when its collective times out sets
-    it well under ``timeout``, so that the harness never kills first.
+    it well under ``timeout``, so that the harness never kills first. ``cuda``: NCCL, rank
+    r on GPU r; ``threads``: each rank's intra-op threads.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -69,7 +79,17 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, init_file, results, args, pg_timeout or timeout),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    init_file,
+                    results,
+                    args,
+                    pg_timeout or timeout,
+                    cuda,
+                    threads,
+                ),  # fmt: skip
                 daemon=True,
             )
             for rank in range(world_size)
