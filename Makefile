@@ -51,6 +51,15 @@ GPU_PYTHON ?= python3
 gpu-check:
 	PYTHONPATH=. $(GPU_PYTHON) tests/gpu/gpu_check.py $(ARGS)
 
+# Where fsdp_lite should lead FSDP2 on a GPU (issue 45): a host-bound deep, narrow Llama
+# (tokens/s, host time per unit) and CPU offload (the ~1.1B Llama, then the largest shape
+# that trains), about 7 min; writes gpu_measure.md ($OUT/ when set). Dry run here:
+#   make gpu-measure GPU_PYTHON=.venv/bin/python ARGS=--dry-run
+.PHONY: gpu-measure
+gpu-measure:
+	PYTHONPATH=. $(GPU_PYTHON) tests/gpu/gpu_check.py --parts hostbound,offload --budget 420 \
+		--out $${OUT:-.}/gpu_measure.md $(ARGS)
+
 lint: venv
 	$(BIN)/ruff check fsdp_lite tests scripts
 

@@ -57,12 +57,14 @@ def register_hooks(unit: Unit) -> None:
     hook's branch changes)."""
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        root = unit.root if unit.root is not None else Root(unit)
-        return root.pre_forward(unit, args, kwargs)
+        with accounting.region("fsdp_lite::pre_forward"):
+            root = unit.root if unit.root is not None else Root(unit)
+            return root.pre_forward(unit, args, kwargs)
 
     def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if unit.root is not None:  # None: making the root raised in the pre-hook
-            unit.root.post_forward(unit, output)
+            with accounting.region("fsdp_lite::post_forward"):
+                unit.root.post_forward(unit, output)
 
     release_nested(unit)
     disable = functools.partial(torch._dynamo.disable, recursive=True)

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 tests/gpu/gpu_check.py [--out gpu_check.md] [--dry-run]
         [--parts tier,w1,w2,fake8,syncs,bench,compile] [--budget 450]
+    PYTHONPATH=. python3 tests/gpu/gpu_check.py --parts hostbound,offload --budget 420
 
 Made for the lent GPU machine (one H100/H200, its python3 with torch 2.11, no pip). Parts:
 
@@ -21,6 +22,14 @@ Made for the lent GPU machine (one H100/H200, its python3 with torch 2.11, no pi
   (6*params*tokens + attention FLOPs over the device's bf16 peak) and peak memory of
   fsdp_lite, FSDP2 and the unwrapped model (autocast, fp32 weights), interleaved rounds;
 - ``compile``: ``compile_blocks`` against eager blocks, tokens/s.
+
+Two more parts measure where fsdp_lite should lead FSDP2 (``gpu_measure_cases.py``;
+``make gpu-measure``), run only when named:
+
+- ``hostbound``: a deep, narrow Llama whose step the host paces: tokens/s and the host
+  time per unit of each wrapper;
+- ``offload``: CPU offload of the ~1.1B Llama against FSDP2's, then the largest Llama
+  shape (3B, 7B) each trains one step with it.
 
 Every part runs in its own process under a share of ``--budget`` seconds, prints its
 lines as it goes (PASS / FAIL / figures) and appends them to the summary at once, so a
@@ -42,10 +51,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("tier", "w1", "w2", "fake8", "syncs", "bench", "compile")
+CHECKS = ("tier", "w1", "w2", "fake8", "syncs", "bench", "compile")  # the default
+PARTS = (*CHECKS, "hostbound", "offload")
 # Share of the budget each part may take (the bench and the tier are the long ones).
 SHARES = {"tier": 0.1, "w1": 0.15, "w2": 0.1, "fake8": 0.1, "syncs": 0.05, "bench": 0.3,
-          "compile": 0.2}  # fmt: skip
+          "compile": 0.2, "hostbound": 0.4, "offload": 0.6}  # fmt: skip
 # Dense bf16 peak, FLOP/s, by device name (datasheet, SXM parts).
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
@@ -56,7 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     default_out = Path(os.environ["OUT"]) / "gpu_check.md" if os.environ.get("OUT") else None
     p.add_argument("--out", type=Path, default=default_out or ROOT / "gpu_check.md")
-    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated: %(default)s")
+    p.add_argument(
+        "--parts", default=",".join(CHECKS), help=f"comma-separated, of {', '.join(PARTS)}"
+    )
     p.add_argument("--budget", type=float, default=450.0, help="seconds for every part together")
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny sizes")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -181,7 +193,8 @@ def run_child(part: str, dry: bool) -> int:
     cuda = torch.cuda.is_available() and not dry
     ctx = _Context(cuda=cuda, dry=dry)
     {"tier": part_tier, "w1": part_w1, "w2": part_w2, "fake8": part_fake8,
-     "syncs": part_syncs, "bench": part_bench, "compile": part_compile}[part](ctx)  # fmt: skip
+     "syncs": part_syncs, "bench": part_bench, "compile": part_compile,
+     "hostbound": part_hostbound, "offload": part_offload}[part](ctx)  # fmt: skip
     return 0
 
 
@@ -298,6 +311,27 @@ def part_compile(ctx: _Context) -> None:
     with _one_rank(ctx):
         for line in compile_bench(ctx.device, dry=ctx.dry):
             print(line, flush=True)
+
+
+def part_hostbound(ctx: _Context) -> None:
+    from gpu_measure_cases import host_bound_bench
+
+    with _one_rank(ctx):
+        for line in host_bound_bench(ctx.device, dry=ctx.dry):
+            print(line, flush=True)
+
+
+def part_offload(ctx: _Context) -> None:
+    """The ~1.1B comparison, then the largest shapes in what is left of a fixed budget
+    (each in a process of its own, outside this one's process group)."""
+    from gpu_measure_cases import largest_offloaded, offload_bench
+
+    with _one_rank(ctx):
+        for line in offload_bench(ctx.device, dry=ctx.dry):
+            print(line, flush=True)
+    budget = float(os.environ.get("GPU_MEASURE_FIT_S", "150"))
+    for line in largest_offloaded(ctx.device, dry=ctx.dry, budget_s=budget):
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

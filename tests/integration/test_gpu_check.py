@@ -18,7 +18,7 @@ def _gpu_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess,
     env.pop("OUT", None)
     proc = subprocess.run(
         [sys.executable, "tests/gpu/gpu_check.py", "--dry-run", "--out", str(out), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     return proc, out.read_text() if out.exists() else ""
 
@@ -45,3 +45,18 @@ def test_a_part_past_its_share_is_stopped_and_fails(monkeypatch) -> None:
     summary = io.StringIO()
     failed = gpu_check._run_part("bench", dry=True, limit=1.0, summary=summary)
     assert failed == 1 and "FAIL bench: stopped after its 1 s share" in summary.getvalue()
+
+
+def test_dry_run_of_the_measurements(tmp_path: Path) -> None:
+    """``make gpu-measure``'s parts run through (tables, targets, the largest-model cases
+    each in a process of its own) on the CPU, ready for a lent GPU."""
+    proc, summary = _gpu_check(tmp_path, "--parts", "hostbound,offload", "--budget", "400")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| fsdp_lite | " in summary and "| unwrapped | " in summary, summary
+    assert "fsdp_lite::pre_forward" in summary and "FSDP::pre_forward" in summary, summary
+    assert summary.count("| trained |") == 2, summary  # both systems (one shape when dry)
+    targets = [ln for ln in summary.splitlines() if ln.startswith("INFO target (dry run")]
+    for what in ("host per unit <= 0.3x FSDP2's", "0.95x unwrapped", "s/step <= FSDP2's",
+                 "GPU peak <= FSDP2's"):  # fmt: skip
+        assert any(what in ln for ln in targets), summary
+    assert "FAIL" not in summary and "## verdict\n\nPASS" in summary, summary
