@@ -8,13 +8,14 @@ a direct call of an inner block -- therefore gathers before the module runs and
 reshards after; the wrapper's ``forward`` is one call of ``self.module``. Each hook
 finds the unit's ``Root`` (made at the unit's first forward: the first unit to run
 forward becomes the root of every unit below it) and calls it; the root calls the unit.
+A flat param's complete gradient goes to its unit (``Unit.post_backward``), which
+reduces it through the root's queue of reduce-scatters (``reduce.InFlight``).
 
 One step, top to bottom in this file:
 
     pre_forward      (root: start_iteration) gather + prefetch, views
     post_forward     hook the outputs for pre-backward; reshard unless the schedule keeps
     pre_backward     queue finish_backward; gather again + prefetch
-    post_backward    per trainable flat param: free it, reduce-scatter its gradient
     finish_backward  leftover gradients through the same reduce path; results into shard
                      grads; every unit resharded and IDLE
 
@@ -38,7 +39,6 @@ from torch import nn
 
 from fsdp_lite.core import accounting, collectives, devices, divergence, ignored, schedule
 from fsdp_lite.core.checks import check_at_first_forward
-from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.nested import cast_floats, hook_gradient_nodes, tensors_in
 from fsdp_lite.core.optimizer_check import loose_parameters, shapes_of
 from fsdp_lite.core.reduce import InFlight
@@ -71,7 +71,6 @@ def register_hooks(unit: Unit) -> None:
     unit.module.register_forward_pre_hook(disable(pre), prepend=True, with_kwargs=True)
     # always_call: also after an exception in forward, to reshard and return to IDLE.
     unit.module.register_forward_hook(disable(post), with_kwargs=True, always_call=True)
-    unit.on_grad_complete(_post_backward)
 
 
 def release_nested(unit: Unit) -> None:
@@ -81,10 +80,6 @@ def release_nested(unit: Unit) -> None:
     ``check_wrappable`` refused it before anything changed unless they are all IDLE)."""
     for old in {id(u.root): u.root for u in units_of(unit.module) if u.root is not None}.values():
         old.release()
-
-
-def _post_backward(unit: Unit, flat: FlatParam) -> None:
-    unit.root.post_backward(unit, flat)
 
 
 class Root:
@@ -107,9 +102,13 @@ class Root:
             unit.module, unit.process_group, unit.replicate_group, unit.name
         )
         self.replicas.check_agree(unit.device)
+        # The reduce-scatters in flight, in issue order. Widened gradients are reduced on a
+        # stream of their own on CUDA (reduce._reduce_widened), as FSDP2's reduce-scatter
+        # stream.
+        self.in_flight = InFlight(devices.new_stream(unit.device))
         for u in units:
             u.frozen_early = _frees_frozen_early(u, units)
-            u.root, u.is_root = self, u is unit
+            u.join(self, is_root=u is unit)
         self.root_unit = unit
         self.units = units  # every unit in the tree, the root first
         # Where the tree's shards live, each home once (units may share one).
@@ -119,9 +118,6 @@ class Root:
         self.backward_order: schedule.ExecOrder[Unit] = schedule.ExecOrder("backward")
         self.schedule = self._build_schedule()
         self.prefetched: set[Unit] = set()  # gathered ahead, not yet run
-        # The reduce-scatters in flight. Widened gradients are reduced on a stream of their
-        # own on CUDA (reduce._reduce_widened), as FSDP2's reduce-scatter stream.
-        self.in_flight = InFlight(devices.new_stream(unit.device))
         self.callback_queued = False  # the end-of-backward callback of this backward
         self.inputs_checked = False  # see _check_inputs
         self.averaging_queued = False  # _average_alone queued (a backward through no unit)
@@ -145,7 +141,7 @@ class Root:
         for u in self.units:
             u.reshard()  # full parameters the old root kept from its last forward
             if u.root is self:
-                u.root, u.is_root = None, False
+                u.join(None)
         self.replicas.unwatch()  # the new root averages them
 
     def _build_schedule(self) -> schedule.Schedule[Unit]:
@@ -361,12 +357,6 @@ class Root:
             self._unshard(unit, backward=True)
             unit.use_views_again()
 
-    def post_backward(self, unit: Unit, flat: FlatParam) -> None:
-        """``flat``'s full gradient is complete: free it and reduce-scatter the gradient."""
-        if unit.grad_complete(flat):
-            with accounting.region("fsdp_lite::post_backward"):
-                unit.reduce_grad(flat, self.in_flight)
-
     def finish_backward(self) -> None:
         """End of backward: reduce what no hook took, wait for every reduce-scatter, set shard
         grads, reshard, back to IDLE.
@@ -378,7 +368,7 @@ class Root:
         with accounting.region("fsdp_lite::finish_backward"):
             for unit in self.units:
                 for flat in unit.flat_params:
-                    unit.reduce_grad(flat, self.in_flight)
+                    unit.reduce_grad(flat)
             averaging = self.replicas.start() if self.root_unit.sync_grads else None
             self.in_flight.drain()
             if averaging is not None:

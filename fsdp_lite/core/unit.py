@@ -10,9 +10,10 @@ step, ``addons/summon.py`` moves a unit in and out of SUMMON_FULL_PARAMS.
     use_full_views   the module's parameters become views of the full buffers
     end_forward      reshard unless kept; IDLE
     start_backward   PRE_BACKWARD; views back for a recompute
-    grad_complete    a flat param's gradient is complete: POST_BACKWARD, free it
-    reduce_grad      reduce-scatter (or keep under no_sync) what gradient it holds;
-                     the root's queue adds earlier results to their shard grads
+    post_backward    a flat param's gradient is complete (its hook):
+      grad_complete    POST_BACKWARD, free it
+      reduce_grad      reduce-scatter (or keep under no_sync) what gradient it holds;
+                       the root's queue adds earlier results to their shard grads
     end_backward     the optimizer's parameters see the grads; resharded and IDLE
     abandon_backward after an interrupted backward: its gradients dropped; IDLE
 
@@ -59,13 +60,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from fsdp_lite.core import collectives
+from fsdp_lite.core import accounting, collectives
 from fsdp_lite.core.flat_param import FlatParam
 from fsdp_lite.core.home import DeviceHome
 from fsdp_lite.core.nested import tensors_in
@@ -81,11 +81,10 @@ class TreeRoot(Protocol):
     those who reach it through the unit: the hooks, ``FSDPModule``."""
 
     units: list[Unit]  # every unit in the tree, the root's own first
+    in_flight: InFlight  # its reduce-scatters in flight, in issue order
     replicas: Any  # the tree's ignored parameters (``ignored.Replicas``)
 
     def post_forward(self, unit: Unit, output: Any) -> None: ...
-
-    def post_backward(self, unit: Unit, flat: FlatParam) -> None: ...
 
     def release(self) -> None: ...
 
@@ -133,6 +132,7 @@ class Unit:
         # unit itself never calls it.
         self.root: TreeRoot | None = None
         self.is_root = False  # the unit its root was made for
+        self.in_flight: InFlight | None = None  # its root's queue of reduce-scatters
         self.name = type(module).__name__  # the module path, from the root's making on
         self.frozen_early = False  # frozen flat params freed in backward (see Note)
         self.watches: weakref.WeakSet = weakref.WeakSet()  # forward calls awaiting input grads
@@ -142,16 +142,19 @@ class Unit:
         self.check_init = False
 
     def own(self, flats: list[FlatParam]) -> None:
+        """Its flat params; each one's complete gradient calls ``post_backward``."""
         self.flat_params = flats
-
-    def on_grad_complete(self, hook: Callable[[Unit, FlatParam], None]) -> None:
-        """Call ``hook(unit, flat)`` when a flat param's full gradient is complete."""
-        for flat in self.flat_params:
+        for flat in flats:
             # Weak references: autograd holds the hook from C++, where Python's garbage
             # collector cannot see the cycle unit -> flat -> full -> hook -> unit.
             flat.on_grad_complete(
-                functools.partial(_grad_complete, weakref.ref(self), weakref.ref(flat), hook)
+                functools.partial(_grad_complete, weakref.ref(self), weakref.ref(flat))
             )
+
+    def join(self, root: TreeRoot | None, is_root: bool = False) -> None:
+        """Run by ``root`` from now on (None: by no root until one takes it)."""
+        self.root, self.is_root = root, is_root
+        self.in_flight = root.in_flight if root is not None else None
 
     def set_name(self, name: str) -> None:
         """Its path in the root's tree (the root names every unit when it is made)."""
@@ -261,15 +264,22 @@ class Unit:
             flat.reshard()
         return True
 
-    def reduce_grad(self, flat: FlatParam, in_flight: InFlight) -> None:
-        """Reduce-scatter the gradient ``flat`` holds through ``in_flight`` (the root's
-        queue, which adds earlier results to their shard grads), or keep it under no_sync:
-        the one reduce path, from the gradient's hook and, for every flat param, from the
-        root's end of backward. Idempotent: a gradient already taken leaves nothing to do."""
+    def post_backward(self, flat: FlatParam) -> None:
+        """``flat``'s full gradient is complete (its hook): free it, reduce-scatter the
+        gradient."""
+        if self.grad_complete(flat):
+            with accounting.region("fsdp_lite::post_backward"):
+                self.reduce_grad(flat)
+
+    def reduce_grad(self, flat: FlatParam) -> None:
+        """Reduce-scatter the gradient ``flat`` holds through the root's queue (which adds
+        earlier results to their shard grads), or keep it under no_sync: the one reduce
+        path, from ``post_backward`` and, for every flat param, from the root's end of
+        backward. Idempotent: a gradient already taken leaves nothing to do."""
         if not flat.has_leftover_grad(self.sync_grads):
             return
         if self.sync_grads:
-            in_flight.issue(flat, self.reduce_dtype(flat))
+            self.in_flight.issue(flat, self.reduce_dtype(flat))
         else:
             flat.accumulate_unsharded()
         self.grads_pending.discard(id(flat))
@@ -354,10 +364,8 @@ class Unit:
         return any(f.full is not None and f.full.grad is not None for f in self.flat_params)
 
 
-def _grad_complete(
-    unit_ref: weakref.ref, flat_ref: weakref.ref, hook: Callable, full: torch.Tensor
-) -> None:
-    hook(unit_ref(), flat_ref())
+def _grad_complete(unit_ref: weakref.ref, flat_ref: weakref.ref, full: torch.Tensor) -> None:
+    unit_ref().post_backward(flat_ref())
 
 
 class _Watch:

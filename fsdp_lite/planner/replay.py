@@ -314,7 +314,7 @@ def _keeps_full(r: _Replay, unit: int) -> bool:
 
 
 def _post_backward(r: _Replay, mark: Mark, name: str) -> None:
-    """``Root.post_backward``: the full buffer freed first, then the gradient (cast to the
+    """``Unit.post_backward``: the full buffer freed first, then the gradient (cast to the
     reduce dtype, in pieces where it widens: ``reduce.reduce_scatter``)."""
     flat = r._flat(mark.unit, mark.flat)
     if not r.sync:  # FlatParam.accumulate_unsharded: added in place into the accumulator
