@@ -239,8 +239,15 @@ def rank(group: ProcessGroup) -> int:
     return dist.get_rank(group)
 
 
-def world_size(group: ProcessGroup) -> int:
-    return dist.get_world_size(group)
+def world_size(group: ProcessGroup | None) -> int:
+    """``dist.get_world_size(group)``, asked once per group: before every collective it
+    cost a few microseconds of host time."""
+    if group is None:
+        return dist.get_world_size()
+    state = group_state(group)
+    if state.size is None:
+        state.size = dist.get_world_size(group)
+    return state.size
 
 
 def comm_device(group: ProcessGroup, device: torch.device) -> torch.device:
@@ -281,6 +288,7 @@ class GroupState:
     group made after ``destroy_process_group`` starts empty, even where it reuses a name."""
 
     backend: str | None = None  # dist.get_backend, asked once
+    size: int | None = None  # dist.get_world_size, asked once
     device_types: set[str] | None = None  # the device types its backend takes
     separate: ProcessGroup | None = None  # separate_group's second group over its ranks
     owned: list[int] | None = None  # whole params' bytes owned per rank so far (ownership)
