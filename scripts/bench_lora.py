@@ -39,6 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # measure this checkout's fsd
 import bench_measure as bm  # noqa: E402
 
 import fsdp_lite  # noqa: E402
+from fsdp_lite.testing.memory import MemoryRecorder  # noqa: E402
 from fsdp_lite.testing.spawn import run_distributed  # noqa: E402
 
 MODES = ("full", "lora")
@@ -85,7 +86,7 @@ def build_model(args: argparse.Namespace, mode: str) -> torch.nn.Module:
 def measure(args: argparse.Namespace, mode: str, x: torch.Tensor) -> dict[str, Any]:
     """Build, wrap and train ``args.steps`` steps under the profiler; this rank's figures."""
     full_peaks, unit_peaks = [], []
-    with bm.memory_profile(torch.device("cpu")) as prof:
+    with MemoryRecorder("cpu", label=BACKWARD) as rec:
         model = build_model(args, mode)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
@@ -109,7 +110,7 @@ def measure(args: argparse.Namespace, mode: str, x: torch.Tensor) -> dict[str, A
         largest_unit = model.memory_stats()["largest_unit_full_bytes"]
         del model, opt, loss
     return {
-        "peak_bytes": bm.peak_from_profile(prof, torch.device("cpu"), label=BACKWARD)["peak_bytes"],
+        "peak_bytes": rec.peak_bytes,
         "full_bytes_peak": max(full_peaks),
         "units_peak": max(unit_peaks),
         "units": units,

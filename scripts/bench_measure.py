@@ -3,9 +3,10 @@
 The ``bench*.py`` files declare what they measure (systems, models, configurations, which
 figures go in which table) and call this module for the rest: the processes ranks run in,
 step timing and the slowest-rank / median-of-rounds reductions, the collectives each rank
-issues (patched in at the ProcessGroup), tensor memory (from the torch profiler's allocator
-events) and RSS, fsdp_lite's own accounting, and the reports (provenance, markdown tables,
-BENCHMARKS.md blocks, JSON). It imports no bench file.
+issues (patched in at the ProcessGroup), RSS, fsdp_lite's own accounting, and the reports
+(provenance, markdown tables, BENCHMARKS.md blocks, JSON). Ranks are spawned and tensor
+memory is read by the package's own ``fsdp_lite.testing`` (``run_distributed``,
+``MemoryRecorder``). It imports no bench file.
 """
 
 from __future__ import annotations
@@ -33,11 +34,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
 import fsdp_lite
-from fsdp_lite.testing.memory import QuietProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -298,197 +296,6 @@ def count_collectives() -> Iterator[Counts]:
     finally:
         for name, orig in originals.items():
             setattr(pg_cls, name, orig)
-
-
-# -- tensor memory, from the profiler's allocator events -----------------------------------
-
-
-def memory_profile(device: torch.device) -> profile:
-    """A profiler recording every allocation and free on the CPU and, for a CUDA
-    ``device``, on it. Start it before the model exists: then the running sum of its
-    events is the tensor memory live on this rank."""
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    return QuietProfile(activities=acts, profile_memory=True)
-
-
-def peak_from_profile(
-    prof: profile, device: torch.device, label: str = "bench::step"
-) -> dict[str, float]:
-    """Peak and resident live bytes inside the profiled ``label`` regions after the first."""
-    nodes, steps, windows = _profiled_steps(prof, label)
-    live = peak = 0
-    resident = None  # live bytes when the last counted step starts
-    for t, delta, _ in memory_events(nodes, device, steps):
-        if resident is None and windows and t >= windows[-1][0]:
-            resident = live
-        live += delta
-        if any(a <= t <= b for a, b in windows):
-            peak = max(peak, live)
-    return {"peak_bytes": float(peak), "resident_bytes": float(resident or 0)}
-
-
-def _profiled_steps(prof: profile, label: str) -> tuple[list, list, list]:
-    """Every profiler event node; the (start, end) of each ``label`` region; those counted
-    (all after the first, which allocates the optimizer state, or the only one)."""
-    nodes = list(walk(prof.profiler.kineto_results.experimental_event_tree()))
-    steps = sorted((n.start_time_ns, n.end_time_ns) for n in nodes if n.name == label)
-    return nodes, steps, steps[1:] or steps
-
-
-def walk(nodes: list) -> Iterator:
-    for n in nodes:
-        yield n
-        yield from walk(n.children)
-
-
-def memory_events(nodes: list, device: torch.device, steps: list) -> list[tuple[int, int, Any]]:
-    """(time, +-bytes, allocation node) of every allocation and free on ``device``,
-    matched by address, in time order.
-
-    The profiler records only what the profiled thread does, so a buffer freed by a
-    communication thread (gloo's copy of a reduce-scatter input, a cast kept alive by an
-    async work handle) has no free event. Such a block is taken as freed when the
-    collective that allocated it returns, else when its step ends or its address is
-    reused, whichever comes first. Frees of blocks allocated before profiling are ignored.
-    """
-    allocs = sorted(
-        (n for n in nodes if n.tag == _EventType.Allocation),
-        key=lambda n: n.start_time_ns,
-    )
-    live: dict[int, Any] = {}  # address -> allocation node
-    events: list[tuple[int, int, Any]] = []
-    for n in allocs:
-        f = n.extra_fields
-        if f.device.type != device.type:
-            continue
-        if f.alloc_size > 0:
-            if f.ptr in live:  # reused: its free was missed
-                old = live.pop(f.ptr)
-                events.append((*missed_free(old, n.start_time_ns, steps), old))
-            live[f.ptr] = n
-            events.append((n.start_time_ns, f.alloc_size, n))
-        elif (old := live.pop(f.ptr, None)) is not None:
-            events.append((n.start_time_ns, f.alloc_size, old))
-    events += [(*missed_free(n, 2**63, steps), n) for n in live.values()]
-    events.sort(key=lambda e: (e[0], e[1]))
-    return events
-
-
-def missed_free(alloc: Any, reused_at: int, steps: list) -> tuple[int, int]:
-    t = alloc.start_time_ns
-    end = next((b for a, b in steps if a <= t <= b), reused_at)
-    p = alloc.parent
-    while p is not None:
-        if p.name.startswith("c10d::"):
-            end = p.end_time_ns
-            break
-        p = p.parent
-    return min(end, reused_at), -alloc.extra_fields.alloc_size
-
-
-# What is live at the peak, attributed to where it was allocated: the profiler regions of
-# the libraries (and the bench's own), and the autograd node that ran.
-_ANNOTATIONS = ("fsdp_lite::", "FSDP::", "Optimizer.", "bench::")
-_AUTOGRAD = "autograd::engine::evaluate_function: "
-
-
-def live_at_peak(
-    prof: profile,
-    device: torch.device,
-    categorize: Callable[[list[str]], str],
-    phases: Sequence[str],
-    top: int = 25,
-) -> dict[str, Any]:
-    """When the peak of the counted ``bench::step`` regions happens, what is live then
-    (by origin, and by ``categorize(origin)``; what was allocated before that step is
-    "resident"), and the peak inside each ``bench::<phase>`` region."""
-    nodes, steps, windows = _profiled_steps(prof, "bench::step")
-    events = memory_events(nodes, device, steps)
-    spans = [
-        (n.start_time_ns, n.end_time_ns, n.name.removeprefix("bench::"))
-        for n in nodes
-        if n.name in {f"bench::{p}" for p in phases} and n.start_time_ns >= windows[0][0]
-    ]
-    peak_i, phase_peaks = _sweep(events, windows, spans)
-    if peak_i < 0:
-        return {}
-    t_peak = events[peak_i][0]
-    step_start = max(a for a, _ in steps if a <= t_peak)
-    alive: dict[int, Any] = {}
-    for _, delta, n in events[: peak_i + 1]:
-        if delta > 0:
-            alive[id(n)] = n
-        else:
-            alive.pop(id(n), None)
-    groups: dict[str, int] = defaultdict(int)
-    cats: dict[str, int] = defaultdict(int)
-    for n in alive.values():
-        size = n.extra_fields.alloc_size
-        if n.start_time_ns < step_start:
-            key, cat = "allocated before this step", "resident"
-        else:
-            origin = _origin(n)
-            key, cat = " > ".join(origin), categorize(origin)
-        groups[key] += size
-        cats[cat] += size
-    ranked = sorted(groups.items(), key=lambda kv: -kv[1])
-    return {
-        "peak_bytes": sum(cats.values()),
-        "phase": next((name for a, b, name in spans if a <= t_peak <= b), "step"),
-        "phase_peaks": phase_peaks,
-        "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
-        "origins": [{"origin": k, "bytes": v} for k, v in ranked[:top]],
-        "where": _where(nodes, t_peak),
-    }
-
-
-def _origin(node: Any) -> list[str]:
-    """The allocation's context, outermost first: profiler regions, the autograd node that
-    ran, and the outermost aten op below the innermost of those."""
-    chain = []
-    p = node.parent
-    while p is not None:
-        chain.append(p.name)
-        p = p.parent
-    chain.reverse()
-    kept: list[str] = []
-    op = None
-    for name in chain:
-        if name.startswith(_ANNOTATIONS) or name.startswith(_AUTOGRAD):
-            kept.append(name.removeprefix(_AUTOGRAD))
-            op = None
-        elif op is None and name.startswith("aten::"):
-            op = name
-    return kept + ([op] if op else [])
-
-
-def _sweep(events: list, windows: list, spans: list) -> tuple[int, dict[str, int]]:
-    """Index of the event at the peak inside ``windows``, and the peak inside each span."""
-    live = peak = 0
-    peak_i = -1
-    phase_peaks: dict[str, int] = defaultdict(int)
-    for i, (t, delta, _) in enumerate(events):
-        live += delta
-        if not any(a <= t <= b for a, b in windows):
-            continue
-        if live > peak:
-            peak, peak_i = live, i
-        for a, b, name in spans:
-            if a <= t <= b:
-                phase_peaks[name] = max(phase_peaks[name], live)
-    return peak_i, dict(phase_peaks)
-
-
-def _where(nodes: list, t: int) -> list[str]:
-    """The regions (and autograd nodes) open at time ``t``, outermost first."""
-    open_ = [
-        n
-        for n in nodes
-        if n.start_time_ns <= t <= n.end_time_ns
-        and (n.name.startswith(_ANNOTATIONS) or n.name.startswith(_AUTOGRAD))
-    ]
-    open_.sort(key=lambda n: n.start_time_ns)
-    return [n.name.removeprefix(_AUTOGRAD) for n in open_]
 
 
 def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:

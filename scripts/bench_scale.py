@@ -10,9 +10,9 @@ job holds. The model is built on meta and materialized unit by unit by the syste
 (fsdp_lite's deferred init, FSDP2's ``to_empty``); shards are filled N(0, 0.02) locally.
 bf16 compute, fp32 reduce, a unit per block plus the root, AdamW (``--adamw``: foreach,
 CUDA's default; loop, CPU's; fused). Peak tensor memory per rank from the profiler's
-allocator events (``bench_measure.peak_from_profile``) over the steps after the first,
+allocator events (``fsdp_lite.testing.MemoryRecorder``) over the steps after the first,
 which allocates the optimizer state; what is live at the peak is attributed to the region
-that allocated it (``bench_measure.live_at_peak``). Writes a table between the
+that allocated it (``MemoryRecorder.live_at_peak``). Writes a table between the
 ``bench-scale`` markers of BENCHMARKS.md and the raw figures to BENCHMARKS_scale.json.
 """
 
@@ -34,6 +34,7 @@ from torch import nn  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
 import fsdp_lite  # noqa: E402
+from fsdp_lite.testing.memory import REGIONS, MemoryRecorder  # noqa: E402
 from fsdp_lite.testing.models import GPT, Block, GPTConfig  # noqa: E402
 
 MARKERS = "<!-- bench-scale:start -->", "<!-- bench-scale:end -->"
@@ -128,14 +129,14 @@ def run_case(rank: int, world: int, system: str, cfg: ScaleConfig) -> dict[str, 
     cpu = torch.device("cpu")
     watch = bm.Stopwatch()
     step_s, losses = [], []
-    with bm.memory_profile(cpu) as prof:
+    with MemoryRecorder(cpu, label="bench::step") as rec:
         model = build(system, cfg, world)
         build_s = watch.wall()
         opt = make_optimizer(model, cfg)
         for _ in range(cfg.steps):
             lib.before_step()
             step = bm.Stopwatch()
-            with record_function("bench::step"):
+            with rec.step():
                 losses.append(train_step(model, opt, batch))
             step_s.append(step.wall())
             lib.after_step()
@@ -146,8 +147,10 @@ def run_case(rank: int, world: int, system: str, cfg: ScaleConfig) -> dict[str, 
     result = {
         "system": system,
         "world": world,
-        "memory": bm.peak_from_profile(prof, cpu),
-        "at_peak": bm.live_at_peak(prof, cpu, _category, PHASES),
+        "memory": {"peak_bytes": rec.peak_bytes, "resident_bytes": rec.resident_bytes},
+        "at_peak": rec.live_at_peak(
+            _category, [f"bench::{p}" for p in PHASES], regions=(*REGIONS, "bench::")
+        ),
         "model_state": state,
         "build_s": build_s,
         "step_s": step_s,
@@ -246,9 +249,9 @@ def summarize(r: dict[str, Any], fig: dict[str, int], ref: dict[str, Any] | None
         "floor": floor,
         "rest": peak - state,
         "bound": bound,
-        "phase": r["at_peak"].get("phase", "?"),
+        "phase": r["at_peak"].get("phase", "?").removeprefix("bench::"),
         "phase_peaks": " / ".join(
-            _gib(r["at_peak"].get("phase_peaks", {}).get(p, 0)) for p in PHASES
+            _gib(r["at_peak"].get("phase_peaks", {}).get(f"bench::{p}", 0)) for p in PHASES
         ),
         "step_s": min(r["step_s"][1:] or r["step_s"]),
     }

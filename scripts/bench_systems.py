@@ -17,9 +17,9 @@ import bench_measure as bm
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
 
 import fsdp_lite
+from fsdp_lite.testing.memory import MemoryRecorder
 from fsdp_lite.testing.models import GPT, Block, GPTConfig, parallelize_gpt
 
 SYSTEMS = ("fsdp_lite", "fsdp_lite-nocheck", "fsdp2", "fsdp1", "ddp")
@@ -264,14 +264,14 @@ def profiled_pass(
     first (the first one allocates the optimizer state).
     """
     autocast = system == "ddp" and precision == "bf16"
-    with bm.memory_profile(device) as prof:
+    with MemoryRecorder(device) as rec:
         model = build_system(system, precision, cfg, device)
         opt = _make_optimizer(model, cfg)
         for i in range(cfg.profile_steps):
-            with record_function("bench::step"):
+            with rec.step():
                 train_step(model, opt, batches[i % len(batches)], autocast, cfg.micro)
         del model, opt
-    return bm.peak_from_profile(prof, device)
+    return {"peak_bytes": float(rec.peak_bytes), "resident_bytes": float(rec.resident_bytes)}
 
 
 # -- a rank --------------------------------------------------------------------------------

@@ -22,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch._C._profiler import _EventType
@@ -31,6 +33,8 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 _STEP = "fsdp_lite::measured_step"
+# Profiler regions of the wrappers and the optimizer: where live_at_peak says memory came from.
+REGIONS = ("fsdp_lite::", "FSDP::", "Optimizer.")
 
 
 class QuietProfile(profile):
@@ -66,13 +70,18 @@ class MemoryRecorder:
 
     After the context closes: ``step_peaks`` (the highest live total inside each step),
     ``peak_bytes`` (the highest over every step after the first: the steady state, when
-    optimizer state exists) and ``resident_bytes`` (live when the last step began).
+    optimizer state exists), ``resident_bytes`` (live when the last step began), and
+    ``live_at_peak`` (what is live at that peak, by where it was allocated). A step is a
+    ``label`` profiler region: ``step()`` opens one.
     """
 
     device: torch.device | str = "cpu"
+    label: str = _STEP
     step_peaks: list[int] = field(default_factory=list)
     resident_bytes: int = 0
     _prof: profile | None = None
+    _nodes: list = field(default_factory=list)  # every profiler event, after the context
+    _events: list = field(default_factory=list)  # (time, +-bytes, allocation node)
 
     def __enter__(self) -> MemoryRecorder:
         activities = [ProfilerActivity.CPU]
@@ -86,11 +95,12 @@ class MemoryRecorder:
         self._prof.__exit__(*exc)
         if exc[0] is None:
             self._read(self._prof)
+        self._prof = None
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Mark one training step (forward, backward, optimizer step)."""
-        with record_function(_STEP):
+        with record_function(self.label):
             yield
 
     @property
@@ -101,49 +111,162 @@ class MemoryRecorder:
             raise RuntimeError("MemoryRecorder: no step was recorded (use `with rec.step():`)")
         return max(steady)
 
+    def _steps(self) -> list[tuple[int, int]]:
+        return sorted((n.start_time_ns, n.end_time_ns) for n in self._nodes if n.name == self.label)
+
     def _read(self, prof: profile) -> None:
-        nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
-        windows = sorted((n.start_time_ns, n.end_time_ns) for n in nodes if n.name == _STEP)
-        deltas = _live_deltas(nodes, torch.device(self.device).type)
+        self._nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+        self._events = _live_events(self._nodes, torch.device(self.device).type)
+        windows = self._steps()
         self.step_peaks = [0] * len(windows)
         live = 0
         i = 0
         for k, (start, end) in enumerate(windows):
-            while i < len(deltas) and deltas[i][0] < start:
-                live += deltas[i][1]
+            while i < len(self._events) and self._events[i][0] < start:
+                live += self._events[i][1]
                 i += 1
             if k == len(windows) - 1:
                 self.resident_bytes = live
             peak = live
-            while i < len(deltas) and deltas[i][0] <= end:
-                live += deltas[i][1]
+            while i < len(self._events) and self._events[i][0] <= end:
+                live += self._events[i][1]
                 peak = max(peak, live)
                 i += 1
             self.step_peaks[k] = peak
 
+    def live_at_peak(
+        self,
+        categorize: Callable[[list[str]], str],
+        phases: Sequence[str] = (),
+        top: int = 25,
+        regions: Sequence[str] = REGIONS,
+    ) -> dict[str, Any]:
+        """What is live at ``peak_bytes``'s moment: by origin (the profiler regions named
+        ``regions...`` or ``phases`` open at its allocation, the autograd node that ran, and
+        the outermost aten op below them; "allocated before this step" for what was) and
+        by ``categorize(origin)`` ("resident" for the latter); the phase (a region named in
+        ``phases``) the peak is in, the highest total inside each phase, and the regions
+        open at the peak."""
+        steps = self._steps()
+        windows = steps[1:] or steps
+        if not windows:
+            return {}
+        spans = [
+            (n.start_time_ns, n.end_time_ns, n.name)
+            for n in self._nodes
+            if n.name in phases and n.start_time_ns >= windows[0][0]
+        ]
+        peak_i, phase_peaks = _sweep(self._events, windows, spans)
+        if peak_i < 0:
+            return {}
+        t_peak = self._events[peak_i][0]
+        step_start = max(a for a, _ in steps if a <= t_peak)
+        alive: dict[int, Any] = {}
+        for _, delta, n in self._events[: peak_i + 1]:
+            if delta > 0:
+                alive[id(n)] = n
+            else:
+                alive.pop(id(n), None)
+        kept = (*regions, *phases)
+        groups: dict[str, int] = defaultdict(int)
+        cats: dict[str, int] = defaultdict(int)
+        for n in alive.values():
+            size = n.extra_fields.alloc_size
+            if n.start_time_ns < step_start:
+                key, cat = "allocated before this step", "resident"
+            else:
+                origin = _origin(n, kept)
+                key, cat = " > ".join(origin), categorize(origin)
+            groups[key] += size
+            cats[cat] += size
+        ranked = sorted(groups.items(), key=lambda kv: -kv[1])
+        return {
+            "peak_bytes": sum(cats.values()),
+            "phase": next((name for a, b, name in spans if a <= t_peak <= b), "step"),
+            "phase_peaks": phase_peaks,
+            "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+            "origins": [{"origin": k, "bytes": v} for k, v in ranked[:top]],
+            "where": _where(self._nodes, t_peak, kept),
+        }
 
-def _live_deltas(nodes: list, device_type: str) -> list[tuple[int, int]]:
-    """(time, +-bytes) of the allocations made while recording and of their frees, matched
-    by address; frees of blocks allocated before recording began are left out."""
-    events = sorted(
-        (n.start_time_ns, n.extra_fields.ptr, n.extra_fields.alloc_size)
-        for n in nodes
-        if n.tag == _EventType.Allocation and n.extra_fields.device.type == device_type
+
+def _live_events(nodes: list, device_type: str) -> list[tuple[int, int, Any]]:
+    """(time, +-bytes, allocation node) of the allocations made while recording and of
+    their frees, matched by address, in time order; frees of blocks allocated before
+    recording began are left out."""
+    allocs = sorted(
+        (n for n in nodes if n.tag == _EventType.Allocation),
+        key=lambda n: (n.start_time_ns, n.extra_fields.ptr, n.extra_fields.alloc_size),
     )
-    live: dict[int, int] = {}
-    deltas = []
-    for t, ptr, size in events:
-        if size > 0:
-            if ptr in live:  # its free was not recorded (another thread's): count it now
-                deltas.append((t, -live.pop(ptr)))
-            live[ptr] = size
-            deltas.append((t, size))
-        elif live.pop(ptr, None) is not None:
-            deltas.append((t, size))
-    return deltas
+    live: dict[int, Any] = {}  # address -> allocation node
+    events = []
+    for n in allocs:
+        f = n.extra_fields
+        if f.device.type != device_type:
+            continue
+        if f.alloc_size > 0:
+            if (old := live.pop(f.ptr, None)) is not None:  # its free was another thread's
+                events.append((n.start_time_ns, -old.extra_fields.alloc_size, old))
+            live[f.ptr] = n
+            events.append((n.start_time_ns, f.alloc_size, n))
+        elif (old := live.pop(f.ptr, None)) is not None:
+            events.append((n.start_time_ns, f.alloc_size, old))
+    return events
 
 
 def _walk(nodes: list) -> Iterator:
     for n in nodes:
         yield n
         yield from _walk(n.children)
+
+
+_AUTOGRAD = "autograd::engine::evaluate_function: "
+
+
+def _origin(node: Any, kept: Sequence[str]) -> list[str]:
+    """An allocation's context, outermost first: the regions named ``kept...``, the
+    autograd node that ran, and the outermost aten op below the innermost of those."""
+    chain = []
+    p = node.parent
+    while p is not None:
+        chain.append(p.name)
+        p = p.parent
+    chain.reverse()
+    names: list[str] = []
+    op = None
+    for name in chain:
+        if name.startswith(tuple(kept)) or name.startswith(_AUTOGRAD):
+            names.append(name.removeprefix(_AUTOGRAD))
+            op = None
+        elif op is None and name.startswith("aten::"):
+            op = name
+    return names + ([op] if op else [])
+
+
+def _sweep(events: list, windows: list, spans: list) -> tuple[int, dict[str, int]]:
+    """Index of the event at the peak inside ``windows``, and the peak inside each span."""
+    live = peak = 0
+    peak_i = -1
+    phase_peaks: dict[str, int] = defaultdict(int)
+    for i, (t, delta, _) in enumerate(events):
+        live += delta
+        if not any(a <= t <= b for a, b in windows):
+            continue
+        if live > peak:
+            peak, peak_i = live, i
+        for a, b, name in spans:
+            if a <= t <= b:
+                phase_peaks[name] = max(phase_peaks[name], live)
+    return peak_i, dict(phase_peaks)
+
+
+def _where(nodes: list, t: int, kept: Sequence[str]) -> list[str]:
+    """The regions (and autograd nodes) open at time ``t``, outermost first."""
+    open_ = [
+        n
+        for n in nodes
+        if n.start_time_ns <= t <= n.end_time_ns
+        and (n.name.startswith(tuple(kept)) or n.name.startswith(_AUTOGRAD))
+    ]
+    open_.sort(key=lambda n: n.start_time_ns)
+    return [n.name.removeprefix(_AUTOGRAD) for n in open_]
