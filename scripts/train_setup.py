@@ -1,9 +1,26 @@
-"""The training script's setup: process group, the wrapped model, schedule, loss scaling.
+"""The training script's setup: process group, the wrapped model, schedule, loss scaling,
+Hugging Face models, and checkpoints.
 
-``build_model`` (the GPT, or a Hugging Face causal LM with ``model.hf``: see ``train_hf``)
-is the one place that composes fsdp_lite's features, in torchtitan's order: activation
-checkpointing per block, then a unit per block (or by size), then the root, with the
-offload, prefetch, mixed-precision and hybrid-sharding policies the config picks.
+``build_model`` (the GPT, or a Hugging Face causal LM with ``model.hf``) is the one place
+that composes fsdp_lite's features, in torchtitan's order: activation checkpointing per
+block, then a unit per block (or by size), then the root, with the offload, prefetch,
+mixed-precision and hybrid-sharding policies the config picks.
+
+``model.hf`` names a directory holding ``config.json`` (plus, optionally, ``*.safetensors``
+weights and tokenizer files) or a single HF config ``.json`` file. With weights the model
+is ``from_pretrained``; without, ``from_config`` (random init, seeded alike on every rank).
+transformers is imported only inside the functions that need it, so runs of the built-in
+GPT never import it.
+
+A run's checkpoints are ``<checkpoint.dir>/step_<N>`` directories written by
+``fsdp_lite.save_checkpoint`` (sharded, atomic: a directory under that name is complete;
+a save cut short leaves only ``step_<N>.tmp``). Besides the model and optimizer, its
+``extra`` holds the step and every rank's resumable state -- data position, loss scale,
+and the RNG states (torch CPU, CUDA when present, Python) -- so a resumed run draws the
+same batches and dropout masks as an uninterrupted one and its loss curve is the same
+(bitwise on CPU at the same world size). A run never deletes a checkpoint it did not
+write: a fresh run refuses to start where an earlier run of its name left some, unless
+told to continue (``--resume``) or to start over (``--overwrite``); see ``prepare_start``.
 """
 
 from __future__ import annotations
@@ -11,9 +28,14 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import random
+import re
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from train_config import Config, ConfigError, TrainConfig
 
 import fsdp_lite
+from fsdp_lite.core import devices
 from fsdp_lite.testing.models import GPT, Block, GPTConfig, parallelize_gpt
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -156,10 +179,8 @@ def _inner_model(cfg: Config, vocab_size: int) -> tuple[nn.Module, tuple[type[nn
     """The unwrapped model and its block classes: the GPT, or the ``model.hf`` causal LM."""
     m = cfg.model
     if m.hf is not None:
-        import train_hf  # imports transformers
-
-        model = train_hf.build_hf_model(cfg)
-        return model, train_hf.layer_classes(model)
+        model = build_hf_model(cfg)
+        return model, layer_classes(model)
     gpt = GPT(GPTConfig(vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout))
     return gpt, (Block,)
 
@@ -257,9 +278,8 @@ def build_optimizers(cfg: Config, model: fsdp_lite.FSDPModule) -> list[torch.opt
 def _block_types(cfg: Config, model: nn.Module) -> tuple[type[nn.Module], ...]:
     if cfg.model.hf is None:
         return (Block,)
-    import train_hf
 
-    return train_hf.layer_classes(model)
+    return layer_classes(model)
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -268,3 +288,289 @@ def lr_at(step: int, t: TrainConfig) -> float:
         return t.lr * (step + 1) / t.warmup_steps
     progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
+
+
+# -- Hugging Face models (model.hf) ------------------------------------------------
+
+
+@dataclass
+class HFSource:
+    """Where the HF model comes from: ``config`` is a file or a directory for
+    ``AutoConfig.from_pretrained``; ``weights``/``tokenizer_dir``: None when absent."""
+
+    config: Path
+    weights: Path | None
+    tokenizer_dir: Path | None
+
+
+def hf_source(path: str) -> HFSource:
+    p = Path(path)
+    if p.is_file():
+        return HFSource(p, None, None)
+    if not (p / "config.json").is_file():
+        raise ConfigError(
+            f"model.hf={path!r} must be an HF config .json file or a directory holding "
+            "config.json (make one with transformers' XConfig(...).save_pretrained(dir))"
+        )
+    weights = p if any(p.glob("*.safetensors")) else None
+    return HFSource(p, weights, p)
+
+
+def load_hf_config(src: HFSource) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(src.config))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf: {src.config} is not a readable HF config: {e}") from e
+
+
+def load_tokenizer(src: HFSource) -> Any | None:
+    """The directory's tokenizer, or None (the script then uses characters as tokens)."""
+    if src.tokenizer_dir is None:
+        return None
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((src.tokenizer_dir / n).is_file() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(src.tokenizer_dir), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf: cannot load the tokenizer in {src.tokenizer_dir}: {e}") from e
+
+
+def check_vocab(cfg: Config, hf_config: Any, vocab_size: int, max_id: int, tokenizer: Any) -> None:
+    """The model must embed every token id of the corpus and see ``block_size`` positions."""
+    model_vocab = getattr(hf_config, "vocab_size", None)
+    if model_vocab is not None and tokenizer is None and model_vocab < vocab_size:
+        raise ConfigError(
+            f"model.hf: the model's vocab_size {model_vocab} is smaller than the character "
+            f"vocabulary of the corpus ({vocab_size}); set vocab_size >= {vocab_size} in "
+            f"{cfg.model.hf}'s config.json or add a tokenizer to that directory"
+        )
+    if model_vocab is not None and max_id >= model_vocab:
+        raise ConfigError(
+            f"model.hf: the tokenizer produces ids up to {max_id} but the model's vocab_size "
+            f"is {model_vocab}; use a model whose embedding covers the tokenizer"
+        )
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    if positions is not None and cfg.model.block_size > positions:
+        raise ConfigError(
+            f"model.block_size={cfg.model.block_size} exceeds the model's "
+            f"max_position_embeddings {positions}; lower model.block_size"
+        )
+
+
+def build_hf_model(cfg: Config) -> nn.Module:
+    """The unwrapped causal LM in fp32 (the caller seeds torch alike on every rank)."""
+    from transformers import AutoModelForCausalLM
+
+    src = hf_source(cfg.model.hf)
+    if src.weights is not None:
+        return AutoModelForCausalLM.from_pretrained(str(src.weights), dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(load_hf_config(src), dtype=torch.float32)
+
+
+def layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The HF model's transformer layer classes (``_no_split_modules``): one unit each."""
+    return fsdp_lite.wrap.transformer_layers(model)
+
+
+def export_hf(out: Path, model: fsdp_lite.FSDPModule, tokenizer: Any | None, rank: int) -> Path:
+    """Write the final model as an HF checkpoint in ``out`` (collective: every rank calls
+    it), plus the tokenizer if there is one, so ``AutoModelForCausalLM.from_pretrained(out)``
+    loads it."""
+    fsdp_lite.save_pretrained(model, out)
+    if tokenizer is not None and rank == 0:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+# -- checkpoints and resume --------------------------------------------------------
+
+
+_STEP_DIR = re.compile(r"^step_(\d+)(\.tmp|\.old)?$")
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir or os.path.join("checkpoints", cfg.name))
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints under ``root``, oldest first."""
+    found = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match and not match.group(2) and (entry / ".metadata").is_file():
+                found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def resume_source(cfg: Config) -> Path | None:
+    """The checkpoint to resume from, or None to start fresh. A torchrun restart resumes
+    from the latest checkpoint whatever ``checkpoint.resume`` says."""
+    mode = cfg.checkpoint.resume
+    if mode == "never" and restart_count() > 0:
+        mode = "auto"
+    if mode == "never":
+        return None
+    if mode == "auto":
+        found = complete_checkpoints(checkpoint_root(cfg))
+        return found[-1][1] if found else None
+    return Path(mode)
+
+
+class RunExistsError(RuntimeError):
+    """A fresh run found what an earlier run of its name left; the message says what to do."""
+
+
+_REFUSED = ".refused"  # a first attempt refused to start: its torchrun restarts refuse too
+_HF_EXPORT = "hf_final"
+
+
+def hf_export_dir(cfg: Config) -> Path:
+    """Where the final model is exported as a Hugging Face checkpoint (``model.hf`` runs)."""
+    return checkpoint_root(cfg) / _HF_EXPORT
+
+
+def earlier_outputs(root: Path) -> list[Path]:
+    """What runs of this name left under ``root``: checkpoints, complete or cut short, and
+    the HF export."""
+    if not root.is_dir():
+        return []
+    return sorted(e for e in root.iterdir() if _STEP_DIR.match(e.name) or e.name == _HF_EXPORT)
+
+
+def _continues(cfg: Config, root: Path) -> bool:
+    """Whether the run continues the checkpoints under ``root``: ``--resume`` (``auto``), or
+    resume from a checkpoint under it."""
+    mode = cfg.checkpoint.resume
+    return mode == "auto" or (mode != "never" and root.resolve() in Path(mode).resolve().parents)
+
+
+def _refusal(cfg: Config, root: Path, found: list[Path]) -> RunExistsError:
+    names = ", ".join(p.name for p in found[:4]) + (f", {len(found) - 4} more" if found[4:] else "")
+    return RunExistsError(
+        f"{root} holds what an earlier run named '{cfg.name}' left ({names}); a fresh run "
+        "neither deletes nor resumes checkpoints it did not write. Continue that run with "
+        f"--resume, start a new one under another name (--set name={cfg.name}-2), or start "
+        "over with --overwrite, which deletes them."
+    )
+
+
+def prepare_start(cfg: Config, overwrite: bool, rank: int) -> str:
+    """Every rank calls it first thing, before the model and the process group exist.
+
+    A run that does not continue its name's checkpoints (no ``--resume``) refuses to start,
+    raising :class:`RunExistsError`, where an earlier run of its name left checkpoints: it
+    would resume them on a torchrun restart and prune them as it saves. ``overwrite``
+    (``--overwrite``) is the one way to start over: rank 0 deletes them. A torchrun restart
+    deletes nothing (it resumes from this job's own checkpoints) and refuses again if the
+    first attempt refused, which leaves ``.refused`` under the root for it (torchrun
+    restarts a job whatever made it fail). Returns a note for the log."""
+    root = checkpoint_root(cfg)
+    found, marker = earlier_outputs(root), root / _REFUSED
+    if restart_count() > 0:
+        if marker.exists():
+            raise _refusal(cfg, root, found)
+        return ""
+    if found and not overwrite and not _continues(cfg, root):
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+            marker.touch()
+        raise _refusal(cfg, root, found)
+    if rank != 0:
+        return ""
+    marker.unlink(missing_ok=True)
+    if not overwrite or not found:
+        return ""
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return f"--overwrite: deleted {len(found)} checkpoint(s) of an earlier run from {root}"
+
+
+def _prune(root: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    complete = complete_checkpoints(root)
+    for _, path in complete[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+    newest = complete[-1][0] if complete else -1
+    for entry in root.iterdir():  # saves cut short before the newest one finished
+        match = _STEP_DIR.match(entry.name)
+        if match and match.group(2) and int(match.group(1)) < newest:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's generators: torch's (CPU and ``device``'s, ``devices.rng_state``) and
+    Python's."""
+    return {"torch": devices.rng_state(device), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    devices.set_rng_state(state["torch"], device)
+    random.setstate(state["python"])
+
+
+def save_checkpoint(
+    cfg: Config,
+    step: int,
+    model: fsdp_lite.FSDPModule,
+    opts: list[torch.optim.Optimizer],
+    local: dict[str, Any],
+    d: Dist,
+) -> Path:
+    """Checkpoint ``step``; ``local`` is this rank's resumable state. Every rank calls it.
+
+    Every rank's ``local`` is gathered into every rank's ``extra``, so a rank finds its own
+    state whichever shard group it belongs to (hybrid sharding)."""
+    root = checkpoint_root(cfg)
+    ranks: list[Any] = [None] * d.world_size
+    local = {**local, "rng": rng_state(d.device)}
+    if d.world_size > 1:
+        dist.all_gather_object(ranks, local)
+    else:
+        ranks = [local]
+    extra = {"step": step, "world_size": d.world_size, "ranks": ranks}
+    path = root / f"step_{step:07d}"
+    fsdp_lite.save_checkpoint(path, model, opts, extra=extra)
+    if d.rank == 0:
+        _prune(root, cfg.checkpoint.keep)
+    return path
+
+
+def restore_checkpoint(
+    path: Path,
+    model: fsdp_lite.FSDPModule,
+    opts: list[torch.optim.Optimizer],
+    cfg: Config,
+    d: Dist,
+) -> tuple[int, dict[str, Any], str]:
+    """Load ``path`` into ``model`` and ``opts``; restore this rank's RNG states. Returns the
+    step it was saved at, this rank's resumable state and a note for the log.
+
+    At another world size the model and optimizer reshard; the data position carries
+    over, but RNG states cannot (there is no rank to take them from), so dropout is
+    reseeded and the loss curve is no longer the uninterrupted one's."""
+    extra = fsdp_lite.load_checkpoint(path, model, opts)
+    step = int(extra["step"])
+    if extra["world_size"] == d.world_size:
+        local = extra["ranks"][d.rank]
+        set_rng_state(local["rng"], d.device)
+        return step, local, f"resumed from {path} at step {step}"
+    torch.manual_seed(cfg.train.seed + d.dp_rank + 1_000_003 * step)
+    note = (
+        f"resumed from {path} at step {step}, saved by {extra['world_size']} rank(s), "
+        f"resharded to {d.world_size}: dropout RNG reseeded"
+    )
+    return step, extra["ranks"][0], note

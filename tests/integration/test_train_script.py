@@ -265,7 +265,7 @@ def char_tokenizer_dir(directory: Path) -> None:
     """Save into ``directory`` an HF tokenizer that maps each character to the id the
     script's character tokenizer gives it (so a model trained on one reads the other)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from train_data import CharData, synthetic_corpus
+    from train_config import CharData, synthetic_corpus
     from transformers import PreTrainedTokenizerFast
 
     chars = CharData(synthetic_corpus())
@@ -277,7 +277,7 @@ def char_tokenizer_dir(directory: Path) -> None:
 
 def corpus_loss(model: torch.nn.Module, block: int = 64, rows: int = 16) -> float:
     """Next-character cross-entropy of ``model`` on the start of the synthetic corpus."""
-    from train_data import CharData, synthetic_corpus
+    from train_config import CharData, synthetic_corpus
 
     data = CharData(synthetic_corpus()).data[: rows * (block + 1)].view(rows, block + 1)
     with torch.no_grad():
@@ -448,7 +448,7 @@ def test_bad_config_fails_at_start_naming_the_key(overrides, world, message) -> 
 
 
 def test_corpus_smaller_than_a_global_batch_is_refused(tmp_path: Path) -> None:
-    from train_data import load_data
+    from train_config import load_data
 
     text = tmp_path / "small.txt"
     text.write_text("hello world\n" * 60)  # 720 chars: 10 sequences of 64
