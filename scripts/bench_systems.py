@@ -278,8 +278,8 @@ def profiled_pass(
 
 
 def rank_main(rank: int, world: int, system: str, precision: str, cfg: BenchConfig) -> dict:
-    """One rank of a case (``bench_measure.spawn_ranks`` runs it): timed pass, then
-    profiled pass."""
+    """One rank of a case (``fsdp_lite.testing.run_distributed`` runs it): timed pass,
+    then profiled pass."""
     device = bm.rank_device()
     batches = make_batches(cfg, rank // cfg.tp, cfg.warmup + cfg.steps, device)  # by dp rank
     result = timed_pass(system, precision, cfg, device, batches)
