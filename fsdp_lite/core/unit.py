@@ -1,8 +1,10 @@
 """One unit: its flat params, its TrainingState, and the steps its root runs on it.
 
 A unit knows nothing of the units around it: its ``Root`` (``root.py``) calls these
-steps in order, decides what to prefetch and what to keep, and holds the reduce-scatters
-in flight. Calls go one way: root -> unit -> flat param -> collectives. Outside the
+steps in order and decides what to prefetch and what to keep. One step starts here: a
+flat param's complete gradient calls ``post_backward``, which reduces it through the
+queue of reduce-scatters in flight that the unit shares with its root (``Unit.join``).
+Calls go one way: root -> unit -> reduce -> flat param -> collectives. Outside the
 step, ``addons/summon.py`` moves a unit in and out of SUMMON_FULL_PARAMS.
 
     start_forward    check the state and requires_grad; FORWARD
