@@ -139,6 +139,10 @@ class FlatParam:
         self.unit_key = 0
         # One FreedParameter per slot, at its locations whenever full_data is freed.
         self.placeholders: list[FreedParameter] | None = None
+        # (slot index, module, attribute) of every location, in one list (_install).
+        self._targets = [
+            (i, module, attr) for i, slot in enumerate(slots) for module, attr in slot.locations
+        ]
         # This iteration's views of ``full``, one per slot (use_full_views), for backward.
         self.views: list[torch.Tensor] | None = None
         # optimizer_params 'pieces' / 'whole': what the optimizer sees instead of the shard.
@@ -310,13 +314,13 @@ class FlatParam:
         own ``named_parameters()`` inside its forward reads as unwrapped (as FSDP1's
         ``use_orig_params``); placeholders are not."""
         registered = self.orig_params is not None and not isinstance(tensors[0], FreedParameter)
-        for slot, tensor in zip(self.slots, tensors, strict=True):
-            for module, attr in slot.locations:
-                if registered:
-                    module._parameters[attr] = tensor
-                else:
-                    module._parameters.pop(attr, None)
-                module.__dict__[attr] = tensor
+        for i, module, attr in self._targets:
+            params = module._parameters
+            if registered:
+                params[attr] = tensors[i]
+            elif attr in params:
+                del params[attr]
+            module.__dict__[attr] = tensors[i]
 
     def use_placeholders(self) -> None:
         """A :class:`FreedParameter` at every original location (see Note); made once."""
