@@ -380,7 +380,10 @@ class FSDPModule(nn.Module):
 
     def reset_training_state(self) -> None:
         """After an exception inside backward: return every unit to IDLE, resharded, with no
-        reduction in flight. (The root's next forward does this by itself, with a warning.)"""
+        reduction in flight, and drop the shard grads that backward made; what it added to
+        the grads of earlier backwards (accumulation without ``no_sync``) stays, as in a
+        model without fsdp_lite, with a warning. (The root's next forward does this by
+        itself, with a warning.)"""
         if self._unit.root is not None:
             self._unit.root.reset()
 
