@@ -60,3 +60,25 @@ def test_dry_run_of_the_measurements(tmp_path: Path) -> None:
                  "GPU peak <= FSDP2's"):  # fmt: skip
         assert any(what in ln for ln in targets), summary
     assert "FAIL" not in summary and "## verdict\n\nPASS" in summary, summary
+
+
+def test_a_measured_system_that_fails_is_reported_and_the_others_go_on(monkeypatch) -> None:
+    """On a lent GPU one system's error (an out-of-memory) must not cost the others'
+    figures: it is a FAIL line, and the targets that compare it are not judged."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "gpu"))
+    import gpu_measure_cases as g
+
+    def run(system: str) -> dict:
+        if system == "fsdp2":
+            raise RuntimeError("CUDA out of memory.\nTried to allocate ...")
+        return {"s": 1.0}
+
+    results, failed = g._interleaved(("fsdp_lite", "fsdp2", "unwrapped"), 2, run)
+    assert {s: len(r) for s, r in results.items()} == {"fsdp_lite": 2, "unwrapped": 2}
+    assert failed == {"fsdp2": "RuntimeError: CUDA out of memory."}
+    assert list(g._failures("offload", failed)) == [
+        "FAIL offload: fsdp2 raised RuntimeError: CUDA out of memory."
+    ]
+    line = g._judge(lambda: True, "offload: s/step", ("fsdp_lite", "fsdp2"), results, dry=False)
+    assert line == "INFO target not judged (fsdp2 failed): offload: s/step"
+    assert g._judge(lambda: True, "x", ("fsdp_lite",), results, dry=False) == "PASS target: x"
