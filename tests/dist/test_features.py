@@ -22,10 +22,10 @@ from cases import (
 )
 
 from fsdp_lite.core.state import TrainingState
+from fsdp_lite.core.tree import unit_of, units_of
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.reference import compare_runs
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
-from fsdp_lite.core.tree import unit_of, units_of
 
 
 def _assert_resharded(model) -> None:
@@ -66,6 +66,14 @@ def _features(rank: int, world: int) -> dict:
             ),
             gpt_run("eval between", world, raf=raf, between_steps=_eval_between_steps),
         ]
+    # Two backwards that each sync, one optimizer step: the second adds to shard grads the
+    # first made, while its own backward runs (and, with pieces, to their folded grads).
+    pieces = functools.partial(wrap_blocks, optimizer_params="pieces")
+    runs += [
+        gpt_run("2 syncs per step", world, accumulate=2, no_sync=False),
+        gpt_run("2 syncs per step, pieces", world, accumulate=2, no_sync=False, wrap=pieces),
+        gpt_run("2 syncs per step", world, "bf16", accumulate=2, no_sync=False),
+    ]
     runs += [
         gpt_run("no_sync x2", world, "bf16", accumulate=2),
         gpt_run("clip 2", world, clip=0.05),
