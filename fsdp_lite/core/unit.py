@@ -341,10 +341,9 @@ class Unit:
         """An interrupted backward (homes settled): drop the gradients it made or did not
         reduce; resharded, IDLE. True if it added some to gradients of earlier backwards,
         where they stay (as in a model without fsdp_lite)."""
+        self.drop_unreduced_grads()
         added = False
         for flat in self.flat_params:
-            if flat.full is not None:
-                flat.full.grad = None
             added |= flat.drop_partial_grad()
         self.reshard()
         self._idle()

@@ -211,6 +211,11 @@ def _median(results: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in results)
 
 
+def _params(results: dict[str, list[dict]]) -> int:
+    """The model's parameter count, from any system that ran (0 if none did)."""
+    return next(iter(results.values()))[0]["params"] if results else 0
+
+
 # -- host-bound steps ------------------------------------------------------------------------
 
 
@@ -299,7 +304,7 @@ def _host_bound_table(
     step = {s: _median(r, "s") for s, r in results.items()}
     rate = {s: tokens / t for s, t in step.items()}
     host = {s: p["host"] for s, p in profiled.items() if "host" in p and s in results}
-    params = next(iter(results.values()))[0]["params"] if results else 0
+    params = _params(results)
     yield (f"INFO host-bound: Llama {params / 1e6:.0f}M params ({cfg.num_hidden_layers} "
            f"blocks of width {cfg.hidden_size}), seq {seq} x batch {batch}, bf16 compute, "
            f"fp32 reduce, AdamW, W=1; median of {rounds} interleaved rounds of {steps} "
@@ -367,7 +372,7 @@ def offload_bench(device: torch.device, dry: bool) -> Iterator[str]:
 
     results, failed = _interleaved(("fsdp_lite", "fsdp2"), rounds, run)
     yield from _failures("offload", failed)
-    params = next(iter(results.values()))[0]["params"] if results else 0
+    params = _params(results)
     yield (f"INFO CPU offload: Llama {params / 1e9:.2f}B params, seq {seq} x batch {batch}, "
            f"bf16 compute, fp32 reduce, AdamW on the host, W=1; fsdp_lite CPUOffload against "
            f"FSDP2 CPUOffloadPolicy(pin_memory=True); median of {rounds} interleaved rounds "
