@@ -63,44 +63,22 @@ gpu-measure:
 lint: venv
 	$(BIN)/ruff check fsdp_lite tests scripts
 
-# Side by side with PyTorch FSDP2, FSDP1 and DDP; writes BENCHMARKS.md and BENCHMARKS*.json:
-# the step at W=2 (ARGS go to it), host overhead per unit, per-rank memory at W=8/64/512,
-# and compiled vs eager blocks. Each part also runs alone: make bench-host, ...
-#   make bench [ARGS='--steps 10 --precisions fp32']
-.PHONY: bench bench-step bench-accum bench-2d bench-host bench-scale bench-compile bench-lora bench-muon
+# Side by side with PyTorch FSDP2, FSDP1 and DDP: each benchmark is a scenario of
+# scripts/bench.py (`bench.py SCENARIO --help` for its flags); those with a block in
+# BENCHMARKS.md rewrite it and BENCHMARKS_<scenario>.json (ARGS=--no-write: print only).
+#   make bench                    step, host, scale and compile, one after another
+#   make bench-step [ARGS='--steps 10 --precisions fp32']   the step at W=2 gloo (~6 min)
+#   make bench-accum     8 micro-batches a step, against FSDP2 at its best (~4 min)
+#   make bench-2d        fsdp_lite + TP against FSDP2 + TP, tp 2 x dp 2, W=4 (~6 min)
+#   make bench-compile   compiled blocks against eager (~5 min)
+#   make bench-offload   RSS and step time with CPU and SSD offload (~9 min)
+#   make bench-host      host time per unit, fake process group W=8 (~2 min)
+#   make bench-scale     per-rank peak of a 1.3B GPT at W=8/64/512, fake PG (~5 min)
+#   make bench-lora      backward memory, full vs LoRA; prints only (~30 s)
+#   make bench-muon      whole-parameter Muon against FSDP2 + gather; prints only (~3 min)
+BENCHES := step accum 2d compile offload host scale lora muon
+.PHONY: bench $(addprefix bench-,$(BENCHES))
 bench: bench-step bench-host bench-scale bench-compile
 
-bench-step: venv
-	$(BIN)/python scripts/bench.py $(ARGS)
-
-# Gradient accumulation: 8 micro-batches a step, W=2 gloo, fsdp_lite against FSDP2 at its
-# best (set_reshard_after_backward(False)); step time and bytes (~4 min).
-bench-accum: venv
-	$(BIN)/python scripts/bench.py --micro 8 --systems fsdp_lite,fsdp2 --batch 1 --seq 128 \
-		--steps 10 --rounds 3 $(ARGS)
-
-# 2-D: fsdp_lite + TP against FSDP2 + TP (the GPT's Megatron plan, tp 2 x dp 2), W=4 gloo;
-# step time, peak and fsdp_lite's FSDP bytes against their floor (~6 min).
-bench-2d: venv
-	$(BIN)/python scripts/bench.py --tp 2 --world-size 4 --systems fsdp_lite,fsdp2 \
-		--layers 4 --dim 128 --seq 128 --batch 2 --steps 10 --rounds 5 $(ARGS)
-
-# Fake process group, W=8, 64 tiny blocks: what each system adds per unit (~2 min).
-bench-host: venv
-	$(BIN)/python scripts/bench_host.py
-
-# Fake process group, a 1.3B GPT: per-rank peak at W=8/64/512 against FSDP2 (~5 min).
-bench-scale: venv
-	$(BIN)/python scripts/bench_scale.py
-
-bench-compile: venv
-	$(BIN)/python scripts/bench_compile.py
-
-# Backward peak memory, full fine-tuning vs a frozen base with LoRA (same Llama, W=2).
-bench-lora: venv
-	$(BIN)/python scripts/bench_lora.py $(ARGS)
-
-# Muon on whole params vs FSDP2 + a gathering Muon, W=2 gloo and W=8 fake PG; prints
-# markdown tables, writes nothing (~3 min):  make bench-muon [ARGS='--rounds 5']
-bench-muon: venv
-	$(BIN)/python scripts/bench_muon.py $(ARGS)
+$(addprefix bench-,$(BENCHES)): bench-%: venv
+	$(BIN)/python scripts/bench.py $* $(ARGS)

@@ -1,17 +1,15 @@
-"""How every benchmark in ``scripts/`` measures, the same way for all of them.
+"""How every benchmark measures and reports, the same way for all of them.
 
-The ``bench*.py`` files declare what they measure (systems, models, configurations, which
-figures go in which table) and call this module for the rest: the processes ranks run in,
-step timing and the slowest-rank / median-of-rounds reductions, the collectives each rank
-issues (patched in at the ProcessGroup), RSS, fsdp_lite's own accounting, and the reports
-(provenance, markdown tables, BENCHMARKS.md blocks, JSON). Ranks are spawned and tensor
-memory is read by the package's own ``fsdp_lite.testing`` (``run_distributed``,
-``MemoryRecorder``). It imports no bench file.
+``scripts/bench.py`` declares the scenarios (which systems, which model, which figures in
+which table); this module does the rest: the fake process group, step timing and the
+slowest-rank / median reductions, the collectives each rank issues (patched in at the
+ProcessGroup), RSS, model-state bytes, provenance, markdown tables, BENCHMARKS.md blocks
+and JSON. Ranks are spawned and tensor memory is read by the package's own
+``fsdp_lite.testing`` (``run_distributed``, ``MemoryRecorder``). It imports no bench file.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime
@@ -19,7 +17,6 @@ import json
 import multiprocessing
 import os
 import platform
-import resource
 import shlex
 import statistics
 import subprocess
@@ -35,61 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import fsdp_lite
-
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
 GIB = 2**30
 T = TypeVar("T")
-
-# -- arguments ---------------------------------------------------------------------------
-
-
-def make_parser(doc: str | None) -> argparse.ArgumentParser:
-    """A parser whose --help prints the bench's docstring as written."""
-    return argparse.ArgumentParser(
-        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-
-
-def add_config_args(
-    p: argparse.ArgumentParser, defaults: Any, names: Iterable[str], helps: dict | None = None
-) -> None:
-    """``--name`` for each field ``name`` of a config dataclass, typed and defaulted by
-    ``defaults``, so the flags and the config cannot disagree."""
-    for name in names:
-        value = getattr(defaults, name)
-        p.add_argument(
-            f"--{name.replace('_', '-')}", type=type(value), default=value,
-            help=(helps or {}).get(name),
-        )  # fmt: skip
-
-
-def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
-    """An instance of the config dataclass ``cls`` from the parsed flags that name its
-    fields (the rest keep their defaults)."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return cls(**{k: v for k, v in vars(args).items() if k in names})
-
-
-def add_output_args(p: argparse.ArgumentParser, json_default: Path | None) -> None:
-    """--out (the markdown report), --json (raw results), --no-write (print only)."""
-    p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md", help="markdown report")
-    p.add_argument(
-        "--json", type=Path, default=json_default,
-        help="raw results" + ("" if json_default else " (default: next to --out)"),
-    )  # fmt: skip
-    p.add_argument("--no-write", action="store_true", help="print the report, write nothing")
-
-
-def pick(value: str, allowed: Sequence[str], flag: str) -> list[str]:
-    """The comma-separated names in ``value``, each one of ``allowed``."""
-    picked = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [v for v in picked if v not in allowed]
-    if bad or not picked:
-        raise SystemExit(f"{flag}: unknown {bad or value!r}; choose from {', '.join(allowed)}")
-    return picked
-
 
 # -- processes ---------------------------------------------------------------------------
 
@@ -124,21 +70,14 @@ def fake_group(rank: int, world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def fake_rank(
-    fn: Callable[..., Any],
-    rank: int,
-    world: int,
-    *args: Any,
-    timeout_s: float | None = None,
-    quiet: bool = False,
-) -> Any:
+def fake_rank(fn: Callable[..., Any], rank: int, world: int, *args: Any, timeout_s: float) -> Any:
     """``fn(rank, world, *args)`` in a fresh process on the fake process group (one per
-    process), with ``OMP_NUM_THREADS=1``; its JSON-able result. ``quiet``: the child's
-    stdout is dropped. Callers run one at a time, so each has the machine to itself."""
+    process), with ``OMP_NUM_THREADS=1`` and its stdout dropped; its JSON-able result.
+    Callers run one at a time, so each has the machine to itself."""
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fsdp_bench_fake_") as tmp:
         out = Path(tmp, "result.json")
-        proc = ctx.Process(target=_fake_child, args=(fn, rank, world, args, str(out), quiet))
+        proc = ctx.Process(target=_fake_child, args=(fn, rank, world, args, str(out)))
         threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # read when the child starts
         try:
@@ -158,13 +97,12 @@ def fake_rank(
         return json.loads(out.read_text())
 
 
-def _fake_child(fn: Callable, rank: int, world: int, args: tuple, out: str, quiet: bool) -> None:
-    if quiet:
-        sys.stdout.flush()
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+def _fake_child(fn: Callable, rank: int, world: int, args: tuple, out: str) -> None:
+    sys.stdout.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     with fake_group(rank, world):
         result = fn(rank, world, *args)
-    Path(out).write_text(json.dumps(result))
+    Path(out).write_text(json.dumps(jsonable(result)))
 
 
 # -- time --------------------------------------------------------------------------------
@@ -253,22 +191,16 @@ def new_counts() -> Counts:
     return defaultdict(lambda: defaultdict(float))
 
 
-def add_counts(into: Counts, counts: Counts) -> None:
-    """Add ``counts`` (as ``count_collectives`` yields them) to ``into``."""
-    for kind, c in counts.items():
-        for field, v in c.items():
-            into[kind][field] += v
-
-
 def per_step(counts: Counts, steps: int) -> dict[str, dict[str, float]]:
     """``counts`` over ``steps`` steps as plain dicts per step."""
     return {kind: {f: v / steps for f, v in c.items()} for kind, c in counts.items()}
 
 
 @contextlib.contextmanager
-def count_collectives() -> Iterator[Counts]:
-    """Patch the ProcessGroup collectives; yield {kind: {calls, bytes, wire_bytes}}."""
-    counts = new_counts()
+def count_collectives(counts: Counts | None = None) -> Iterator[Counts]:
+    """Patch the ProcessGroup collectives; add {kind: {calls, bytes, wire_bytes}} of every
+    call inside the block to ``counts`` (a new one by default) and yield it."""
+    counts = new_counts() if counts is None else counts
     pg_cls = dist.ProcessGroup
     # The class __dict__ entries (pybind11 instance-method descriptors), so restoring
     # them keeps them bound methods; getattr(cls, name) would return plain functions.
@@ -298,7 +230,10 @@ def count_collectives() -> Iterator[Counts]:
             setattr(pg_cls, name, orig)
 
 
-def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+# -- memory --------------------------------------------------------------------------------
+
+
+def model_state_bytes(model: nn.Module, opts: Iterable[Any]) -> dict[str, int]:
     """Bytes of this rank's shards, shard grads and optimizer state (storage, deduplicated)."""
     seen: set[int] = set()
 
@@ -313,12 +248,11 @@ def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str,
         return total
 
     params = list(model.parameters())
+    states = [v for o in opts for st in o.state.values() for v in st.values()]
     return {
         "params": nbytes(params),
         "grads": nbytes(p.grad for p in params if p.grad is not None),
-        "optimizer": nbytes(
-            v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
-        ),
+        "optimizer": nbytes(v for v in states if isinstance(v, torch.Tensor)),
     }
 
 
@@ -329,86 +263,20 @@ def count_params(make_model: Callable[[], nn.Module]) -> int:
         return sum(p.numel() for p in make_model().parameters())
 
 
-# -- process memory ----------------------------------------------------------------------
-
-
-def max_rss_bytes() -> float:
-    """This process's largest resident set so far (``getrusage``)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
-
-
-def rss_bytes() -> int:
-    """This process's resident set now (VmRSS)."""
-    return _status_kib("VmRSS") * 1024
-
-
-def peak_rss_bytes() -> int:
-    """This process's largest resident set since ``reset_peak_rss`` (VmHWM)."""
-    return _status_kib("VmHWM") * 1024
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident set now (VmRSS), or its largest since ``reset_peak_rss``
+    (``field="VmHWM"``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
 
 
 def reset_peak_rss() -> None:
     """Start VmHWM again from the current RSS."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-# -- fsdp_lite's own accounting ------------------------------------------------------------
-
-
-class LibraryAccounting:
-    """fsdp_lite's own per-step figures, read through whatever API this version offers.
-
-    ``fsdp_lite.stats()`` / ``reset_stats()`` (bytes, exposed communication, peak full
-    parameter bytes) when present, else ``comm_stats()`` / ``reset_comm_stats()``; nothing
-    for the other systems. Reset before and read after each step, outside the timing.
-    """
-
-    def __init__(self, system: str) -> None:
-        self.api = ""
-        self.read: Callable[[], Any] | None = None
-        self.reset: Callable[[], Any] | None = None
-        self.steps: list[Any] = []
-        pairs = [("stats", "reset_stats"), ("comm_stats", "reset_comm_stats")]
-        for read, reset in pairs if system.startswith("fsdp_lite") else []:
-            fns = getattr(fsdp_lite, read, None), getattr(fsdp_lite, reset, None)
-            if all(callable(fn) for fn in fns):
-                self.api, (self.read, self.reset) = read, fns
-                break
-
-    def before_step(self) -> None:
-        if self.reset is not None:
-            self.reset()
-
-    def after_step(self) -> None:
-        if self.read is not None:
-            self.steps.append(jsonable(self.read()))
-
-    def summary(self, step_times: list[float], model: nn.Module) -> dict[str, Any]:
-        """The last step's figures, exposed communication over all steps, and the root's
-        ``memory_stats()`` after the last step, as far as the library reports them."""
-        if not self.steps:
-            return {}
-        last = self.steps[-1]
-        out: dict[str, Any] = {"api": f"fsdp_lite.{self.api}()", "last_step": last}
-        if callable(getattr(model, "memory_stats", None)):
-            out["memory_stats"] = jsonable(model.memory_stats())
-        exposed = [s.get("exposed_s") for s in self.steps if isinstance(s, dict)]
-        if exposed and all(isinstance(e, (int, float)) for e in exposed):
-            out["exposed_s_median"] = statistics.median(exposed)
-            out["exposed_fraction"] = sum(exposed) / sum(step_times)
-        peaks = [s.get("full_bytes_peak") for s in self.steps if isinstance(s, dict)]
-        if peaks and all(isinstance(p, (int, float)) for p in peaks):
-            out["full_bytes_peak"] = max(peaks)
-        return out
 
 
 def jsonable(x: Any) -> Any:
@@ -429,81 +297,92 @@ def jsonable(x: Any) -> Any:
 # -- provenance ----------------------------------------------------------------------------
 
 
-def now() -> str:
-    """The local time, to the second, with its offset."""
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-
-
 def load_avg() -> list[float]:
     """The 1, 5 and 15 minute load averages: how busy the machine was."""
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def git_commit() -> str:
-    """This checkout's short commit ("?" without git)."""
-    try:
-        git = ["git", "rev-parse", "--short", "HEAD"]
-        return subprocess.run(git, cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "?"
-
-
 def machine() -> dict[str, Any]:
     """What ran the benchmark: CPU, cores, GPU, torch, python, commit, load now."""
-    cpu = platform.processor() or "unknown"
     with open("/proc/cpuinfo") as f:
         names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-    cpu = names[0] if names else cpu
+    try:
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(git, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
     return {
-        "cpu": cpu,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join([".venv/bin/python", "scripts/bench.py", *sys.argv[1:]]),
+        "cpu": names[0] if names else platform.processor() or "unknown",
         "cores": os.cpu_count(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "commit": git_commit(),
+        "commit": commit or "?",
         "load_avg": load_avg(),
     }
 
 
-def command_line(
-    script: str, argv: list[str] | None, python: str | None = ".venv/bin/python"
-) -> str:
-    """The command that reproduces this run (``argv`` None: this process's arguments)."""
-    args = sys.argv[1:] if argv is None else argv
-    return shlex.join([*([python] if python else []), script, *args])
-
-
-def run_info(script: str, argv: list[str] | None) -> dict[str, Any]:
-    """The start of a report's provenance: date, command and machine."""
-    return {"date": now(), "command": command_line(script, argv), "machine": machine()}
-
-
-def run_line(date: str, m: dict[str, Any], gpu: bool = False) -> str:
-    """The head of a report's provenance sentence, which the caller ends: "Run <date> on
-    <cpu> (<cores> cores[, <gpu>]), torch <version>, commit <commit>"."""
-    on_gpu = f", {m['gpu']}" if gpu and m["gpu"] else ""
-    return (
-        f"Run {date} on {m['cpu']} ({m['cores']} cores{on_gpu}), torch {m['torch']}, "
-        f"commit {m['commit']}"
-    )
+def provenance(m: dict[str, Any], wall_s: float) -> list[str]:
+    """A report's first lines: when, where, on what, how busy, how long, and the command."""
+    gpu = f", {m['gpu']}" if m["gpu"] else ""
+    return [
+        f"Run {m['date']} on {m['cpu']} ({m['cores']} cores{gpu}), torch {m['torch']}, commit "
+        f"{m['commit']}; load average at start {m['load_avg']}, at end {load_avg()}; "
+        f"{wall_s:.0f} s in all.",
+        "",
+        f"    {m['command']}",
+        "",
+    ]
 
 
 # -- reports -------------------------------------------------------------------------------
 
 
-def ratio(x: float, ref: float | None, digits: int = 2, unit: str = "x", missing: str = "-") -> str:
-    """``x / ref`` as "1.23x"; ``missing`` without a reference."""
-    return f"{x / ref:.{digits}f}{unit}" if ref else missing
+def ratio(x: float | None, ref: float | None, digits: int = 2, unit: str = "x") -> str:
+    """``x / ref`` as "1.23x"; "-" without both."""
+    return f"{x / ref:.{digits}f}{unit}" if x is not None and ref else "-"
 
 
 def md_row(cells: Iterable[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def md_table(columns: Sequence[str], rows: Iterable[Sequence[str]], align: str) -> list[str]:
-    """A markdown table's lines; ``align`` has an ``l`` or ``r`` per column."""
+def md_table(columns: Sequence[str], rows: Iterable[Sequence[str]], align: str = "") -> list[str]:
+    """A markdown table's lines; ``align`` has an ``l`` or ``r`` per column (first column
+    left, the rest right by default)."""
+    align = align or "l" + "r" * (len(columns) - 1)
     rule = "|" + "".join("---:|" if a == "r" else "---|" for a in align)
     return [md_row(columns), rule, *(md_row(r) for r in rows)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Col:
+    """A table column: ``title``, the figure ``key`` of each row and its format; ``vs``:
+    followed by the row's ratio to the reference row's."""
+
+    title: str
+    key: str
+    fmt: str = "{:.1f}"
+    vs: bool = False
+
+
+def table(rows: dict[str, dict[str, Any]], cols: Sequence[Col], ref: str | None) -> list[str]:
+    """A markdown table of ``rows`` ({label: figures}), one column per ``cols`` entry, a
+    "vs <ref>" ratio after each ``vs`` column."""
+    titles = ["", *(t for c in cols for t in ([c.title, f"vs {ref}"] if c.vs else [c.title]))]
+    base = rows.get(ref or "", {})
+    body = []
+    for label, r in rows.items():
+        cells = [label]
+        for c in cols:
+            v = r.get(c.key)
+            cells.append("-" if v is None else c.fmt.format(v))
+            if c.vs:
+                cells.append(ratio(v, base.get(c.key)))
+        body.append(cells)
+    return md_table(titles, body)
 
 
 def write_markdown(path: Path, block: str, begin: str, end: str) -> None:
@@ -518,22 +397,18 @@ def write_markdown(path: Path, block: str, begin: str, end: str) -> None:
     path.write_text(text)
 
 
-def write_json(path: Path | str, payload: Any) -> None:
-    Path(path).write_text(json.dumps(payload, indent=1) + "\n")
-
-
-def publish(
-    block: str,
-    payload: Any,
-    args: argparse.Namespace,
-    markers: tuple[str, str],
-    tag: str,
-) -> None:
-    """Print the report block; unless ``args.no_write``, put it between ``markers`` in
-    ``args.out`` and ``payload`` in ``args.json``."""
-    print(block)
-    if args.no_write:
+def publish(lines: list[str], payload: Any, marker: str | None, out: Path, write: bool) -> None:
+    """Print the report; with ``write`` and a ``marker``, put it between the
+    ``<!-- bench-<marker>:begin/end -->`` lines of ``out`` (BENCHMARKS.md) and ``payload``
+    in ``BENCHMARKS_<marker>.json`` beside it."""
+    if marker is None:
+        print("\n".join(lines))
         return
-    write_markdown(args.out, block, *markers)
-    write_json(args.json, payload)
-    print(f"[{tag}] wrote {args.out} and {args.json}")
+    begin, end = f"<!-- bench-{marker}:begin -->", f"<!-- bench-{marker}:end -->"
+    block = "\n".join([begin, *lines, end])
+    print(block)
+    if write:
+        write_markdown(out, block, begin, end)
+        js = out.with_name(f"{out.stem}_{marker}.json")
+        js.write_text(json.dumps(jsonable(payload), indent=1) + "\n")
+        print(f"[bench] wrote {out} and {js}")
