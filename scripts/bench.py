@@ -13,7 +13,7 @@ A step's time is its slowest rank's (the ranks start it together); ms/step is th
 over every timed step of every round. Peak tensor memory per rank comes from the
 profiler's allocator events (``fsdp_lite.testing.MemoryRecorder``) in a separate short
 pass, communication from the ProcessGroup collectives each rank issues. A scenario with a
-marker writes its block of BENCHMARKS.md (``--out``) and its raw figures to
+marker writes its block of BENCHMARKS.md (``--out``) and every case's figures to
 ``BENCHMARKS_<scenario>.json``; ``--no-write`` prints only.
 """
 
@@ -853,7 +853,7 @@ SCENARIOS = {
             "offload", "resident memory and step time with CPU and SSD offload",
             {"systems": "fsdp_lite,fsdp_lite-cpu,fsdp_lite-ssd", "precisions": "fp32",
              "layers": 8, "dim": 1024, "heads": 8, "vocab": 8192, "seq": 64, "batch": 1,
-             "tied": False, "steps": 3, "warmup": 1, "profile_steps": 0, "timeout_s": 1800.0},
+             "steps": 3, "warmup": 2, "profile_steps": 0, "timeout_s": 1800.0},
             STEP_FLAGS + MODEL_FLAGS, "offload", run_offload,
             (Col("RSS between steps MiB", "rss_between_mib", "{:.0f}", vs=True),
              Col("peak RSS in the last step MiB", "rss_last_mib", "{:.0f}", vs=True),
