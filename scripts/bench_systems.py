@@ -303,6 +303,7 @@ def _steps(
             exposed.append(s["exposed_s"])
             full_peak.append(s["full_bytes_peak"])
             out["library"] = {"last_step": s, "memory_stats": model.memory_stats()}
+    opt.zero_grad(set_to_none=True)  # between steps: the grads are freed
     out["rss_between_bytes"] = bh.rss_bytes()
     out["rss_peak_last_step_bytes"] = bh.rss_bytes("VmHWM")
     out["graphs_at_end"] = _graphs()
