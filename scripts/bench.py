@@ -255,9 +255,15 @@ def run_compile(sc: Scenario, cfg: Config) -> tuple[list[str], Any]:
     """The step scenario with inductor's cache in a fresh temporary directory: round 1
     compiles from nothing, later rounds from what round 1 left (dynamo traces anew in
     every fresh rank)."""
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="fsdp_bench_inductor_") as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-        results = measure_cases(sc, cfg)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read by the ranks this spawns
+        try:
+            results = measure_cases(sc, cfg)
+        finally:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+            if saved is not None:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
     for rows in results.values():  # compile time: the first step's excess over eager's
         eager = rows[sc.ref]
         for r in rows.values():

@@ -279,6 +279,7 @@ def _steps(
     autocast = system in ("ddp", "unwrapped") and precision == "bf16"
     lib = system.startswith("fsdp_lite")
     out: dict[str, Any] = {"first_steps_s": [], "step_times_s": [], "step_cpu_s": [], "losses": []}
+    out["graphs_after_warmup"] = _graphs()
     exposed, full_peak, counts = [], [], bh.new_counts()
     for i, batch in enumerate(batches):
         timed = i >= cfg.warmup
