@@ -104,8 +104,10 @@ def measure_cases(sc: Scenario, cfg: Config) -> dict[str, dict[str, dict]]:
                 print(f"[bench {sc.name}]   {ms * 1e3:.1f} ms/step, loss@0 {loss0:.6f}")
     dp = cfg.world_size // cfg.tp
     results = {p: {s: summarize(rounds[p, s], cfg) for s in systems} for p in precisions}
+    psi = bh.count_params(lambda: GPT(cfg.gpt_config()))
     for precision, rows in results.items():
-        local = next(iter(rows.values()))["num_params_local"] * dp  # Ψ over dp (TP: local)
+        # The floor's Ψ: the model's, or under TP one tp rank's (its shards over dp)
+        local = psi if cfg.tp == 1 else next(iter(rows.values()))["num_params_local"] * dp
         for r in rows.values():
             r["floor"], r["dp"] = zero3_floor(local, precision, dp), dp
             r["comm_vs_floor"] = r["comm_mib"] * MIB / r["floor"]

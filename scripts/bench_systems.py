@@ -315,9 +315,12 @@ def _steps(
             "exposed_fraction": sum(exposed) / sum(out["step_times_s"]),
             "full_bytes_peak": max(full_peak),
         }
-    out["num_params_local"] = sum(p.numel() for p in model.parameters())
-    # fsdp_lite: the root unit's own shards (its full params stay gathered for backward)
-    out["root_params_local"] = sum(p.numel() for p in model.parameters(recurse=False))
+    # This rank's shards (a DTensor's local part), and the root unit's own (fsdp_lite: its
+    # full params stay gathered for backward)
+    out["num_params_local"], out["root_params_local"] = (
+        sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+        for params in (model.parameters(), model.parameters(recurse=False))
+    )
     if cfg.profile_ops:
         with QuietProfile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for batch in batches[: cfg.warmup or 1]:
