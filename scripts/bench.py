@@ -87,8 +87,9 @@ def measure_cases(sc: Scenario, cfg: Config) -> dict[str, dict[str, dict]]:
     precision, per system, its figures (``summarize``)."""
     systems = pick(cfg.systems, SYSTEMS, "--systems")
     precisions = pick(cfg.precisions, PRECISIONS, "--precisions")
-    if cfg.tp > 1 and (cfg.world_size % cfg.tp or set(systems) - {"fsdp_lite", "fsdp2"}):
-        raise SystemExit("--tp must divide --world-size; --systems among fsdp_lite, fsdp2")
+    tp_systems = {"fsdp_lite", "fsdp_lite-nocheck", "fsdp2"}
+    if cfg.tp > 1 and (cfg.world_size % cfg.tp or set(systems) - tp_systems):
+        raise SystemExit(f"--tp must divide --world-size; --systems among {sorted(tp_systems)}")
     rounds: dict[tuple[str, str], list[list[dict]]] = {}
     for rnd in range(cfg.rounds):
         for precision in precisions:
@@ -110,7 +111,7 @@ def measure_cases(sc: Scenario, cfg: Config) -> dict[str, dict[str, dict]]:
         local = psi if cfg.tp == 1 else next(iter(rows.values()))["num_params_local"] * dp
         for r in rows.values():
             r["floor"], r["dp"] = zero3_floor(local, precision, dp), dp
-            r["comm_vs_floor"] = r["comm_mib"] * MIB / r["floor"]
+            r["comm_vs_floor"] = r["comm_mib"] * MIB / r["floor"] if r["floor"] else None
     return results
 
 
@@ -189,6 +190,7 @@ def summarize(rounds: list[list[dict[str, Any]]], cfg: Config) -> dict[str, Any]
         "num_params_local": ranks[0]["num_params_local"],
         "root_params_local": ranks[0]["root_params_local"],
         "ops": ranks[0].get("ops"),
+        "ops_steps": len(ranks[0]["first_steps_s"]) or 1,
     }
 
 
@@ -208,7 +210,8 @@ def loss_check(precision: str, rows: dict[str, dict]) -> str:
 
 def ops_table(system: str, precision: str, r: dict[str, Any]) -> str:
     """``--profile-ops``: where rank 0's step time went, torch.profiler's op table."""
-    return f"{system} {precision}, rank 0's ops:\n\n```\n{r['ops']}```\n" if r["ops"] else ""
+    head = f"{system} {precision}, rank 0's ops over {r['ops_steps']} more steps"
+    return f"{head}:\n\n```\n{r['ops']}```\n" if r["ops"] else ""
 
 
 def library_lines(results: dict[str, dict[str, dict]], tp: bool) -> list[str]:
@@ -257,6 +260,8 @@ def run_compile(sc: Scenario, cfg: Config) -> tuple[list[str], Any]:
     """The step scenario with inductor's cache in a fresh temporary directory: round 1
     compiles from nothing, later rounds from what round 1 left (dynamo traces anew in
     every fresh rank)."""
+    if sc.ref not in pick(cfg.systems, SYSTEMS, "--systems"):
+        raise SystemExit(f"--systems: the compile scenario measures against {sc.ref}")
     saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="fsdp_bench_inductor_") as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read by the ranks this spawns
@@ -278,10 +283,16 @@ def run_compile(sc: Scenario, cfg: Config) -> tuple[list[str], Any]:
 def run_offload(sc: Scenario, cfg: Config) -> tuple[list[str], Any]:
     """The step scenario with large allocations as mmaps, so that freed memory leaves the
     process and RSS is honest."""
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    lines, results = run_cases(sc, cfg)
+    saved = os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # for the ranks
+    try:
+        lines, results = run_cases(sc, cfg)
+    finally:
+        if saved == "65536":
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
     psi = bh.count_params(lambda: GPT(cfg.gpt_config()))
     state = 16 * psi / cfg.world_size
+    if bh.use_cuda(cfg.world_size):  # RSS is the host's: model state lives on the GPUs
+        return lines, results
     return [
         f"Model state per rank {state / MIB:.0f} MiB (fp32 shard, grad and AdamW's two "
         f"moments); between steps (grads freed by zero_grad) {state * 12 / 16 / MIB:.0f} MiB "
@@ -299,7 +310,9 @@ def run_host(sc: Scenario, cfg: Config) -> tuple[list[str], Any]:
     once: host work only), built side by side and stepped in interleaved rounds. Per-unit
     overhead = (system's step - unwrapped step) / units, for the whole step and for
     forward + backward alone (the optimizer step is where flat params save the most)."""
-    systems, results = pick(cfg.systems, SYSTEMS, "--systems"), {}
+    # One process: the divergence check's mode is process-wide, SSD needs its directory
+    allowed = tuple(s for s in SYSTEMS if s not in ("fsdp_lite-nocheck", "fsdp_lite-ssd"))
+    systems, results = pick(cfg.systems, allowed, "--systems"), {}
     with bh.fake_group(0, cfg.world_size):
         for precision in pick(cfg.precisions, PRECISIONS, "--precisions"):
             cases = [HostCase(s, precision, cfg) for s in systems]
@@ -329,7 +342,7 @@ class HostCase:
         self.system = system
         self.model = build(system, precision, cfg, torch.device("cpu"))
         self.opt = make_optimizer(self.model, cfg)
-        self.autocast = system == "unwrapped" and precision == "bf16"
+        self.autocast = system in ("ddp", "unwrapped") and precision == "bf16"
         self.x, self.y = make_batches(cfg, 0, 1, torch.device("cpu"))[0]
         self.step_s: list[float] = []
         self.fwd_bwd_s: list[float] = []
@@ -383,7 +396,10 @@ def run_scale(sc: Scenario, cfg: Config) -> tuple[list[str], Any]:
     systems = pick(cfg.systems, ("fsdp_lite", "fsdp2"), "--systems")
     fig = model_figures(cfg)
     results = []
-    for world in (int(w) for w in cfg.worlds.split(",")):
+    worlds = [int(w) for w in cfg.worlds.split(",") if w.strip()]
+    if not worlds or min(worlds) < 1:
+        raise SystemExit(f"--worlds: world sizes >= 1, got {cfg.worlds!r}")
+    for world in worlds:
         for system in systems:
             with bh.stage(f"[bench scale] W={world} {system}"):
                 r = bh.fake_rank(scale_rank, 0, world, system, cfg, timeout_s=cfg.timeout_s)
@@ -516,6 +532,8 @@ def run_lora(sc: Scenario, cfg: Config) -> tuple[list[str], Any]:
     """A PEFT Llama (LoRA on q_proj and v_proj, a unit per decoder layer) trained with
     everything trainable (``full``) and with only the adapters (``lora``), modes
     alternating round by round; per mode the median over rounds of the largest rank."""
+    if cfg.steps < 2 or cfg.dim % 64:
+        raise SystemExit("lora: --steps >= 2 (the first is not measured), --dim a multiple of 64")
     ranks = run_distributed(lora_rank, cfg.world_size, cfg, timeout=cfg.timeout_s)
     rows = {
         mode: {k: max(statistics.median(r[k] for r in rank[mode]) for rank in ranks)
@@ -618,7 +636,7 @@ class GatherMuon:
 
     @torch.no_grad()
     def step(self) -> None:
-        for p in self.params:
+        for p in (p for p in self.params if p.grad is not None):
             group = p.device_mesh.get_group()
             world, rank = dist.get_world_size(group), dist.get_rank(group)
             rows, cols = p.shape
@@ -648,11 +666,13 @@ def muon_case(case: str, cfg: Config) -> tuple[nn.Module, list[Any]]:
     torch.manual_seed(cfg.seed)
     model, world = GPT(cfg.gpt_config()), dist.get_world_size()
     if case == MUON_CASES[3]:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh("cpu", (world,))  # the batches are on the CPU, gloo
         for block in model.blocks:
-            fully_shard(block)
-        model = fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
     else:  # a group per model: whole params balance owners over what a group wraps
         model = fsdp_lite.FSDPModule(
             model, process_group=dist.new_group(list(range(world))),
@@ -777,6 +797,8 @@ def run_muon(sc: Scenario, cfg: Config) -> tuple[list[str], Any]:
     W=``fake_world`` on the fake process group, one process per rank in turn (bytes, host
     and optimizer time; losses meaningless: fsdp_lite's uneven gathers leave other ranks'
     rows unwritten); then the layout table at W=2..``max_layout_world``."""
+    if min(cfg.world_size, cfg.fake_world, cfg.max_layout_world) < 2:
+        raise SystemExit("muon: --world-size, --fake-world and --max-layout-world >= 2")
     psi = bh.count_params(lambda: GPT(cfg.gpt_config()))
     with bh.stage(f"[bench muon] W={cfg.world_size} gloo"):
         gloo = run_distributed(muon_rank, cfg.world_size, cfg, timeout=cfg.timeout_s)
@@ -829,7 +851,7 @@ SCENARIOS = {
     for sc in (
         Scenario(
             "step", "the training step at W=2 against FSDP2, FSDP1 and DDP",
-            STEP_DEFAULTS, STEP_FLAGS + MODEL_FLAGS + ("micro", "tp", "checkpoint",
+            STEP_DEFAULTS, STEP_FLAGS + MODEL_FLAGS + ("checkpoint",
             "profile_steps", "profile_ops"), "step", run_cases, STEP_COLS, "fsdp2",
         ),
         Scenario(
@@ -942,6 +964,8 @@ def parse_args(argv: list[str] | None) -> tuple[Scenario, Config, argparse.Names
     args = p.parse_args(argv)
     sc = SCENARIOS[args.scenario]
     cfg = Config(**{**sc.defaults, **{k: v for k, v in vars(args).items() if k in fields}})
+    if cfg.threads == 0:  # the ranks share the cores
+        cfg = dataclasses.replace(cfg, threads=max(1, (os.cpu_count() or 1) // cfg.world_size))
     if min(cfg.steps, cfg.rounds, cfg.world_size) < 1 or cfg.warmup < 0:
         p.error("need --steps, --rounds, --world-size >= 1 and --warmup >= 0")
     return sc, cfg, args

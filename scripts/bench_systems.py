@@ -64,7 +64,7 @@ class Config:
     rounds: int = 1  # every case again, interleaved
     profile_steps: int = 3  # steps of the memory pass; the first is not counted (0: none)
     profile_ops: int = 0  # rows of rank 0's torch.profiler op table after the timed steps
-    threads: int = 1  # torch intra-op threads per rank
+    threads: int = 0  # torch intra-op threads per rank (0: the cores over the ranks)
     adamw: str = "default"  # or "foreach" (CUDA's default), "loop" (CPU's), "fused"
     seed: int = 1234
     lr: float = 1e-3
@@ -98,23 +98,30 @@ def build(
     model = model if meta else model.to(device)
     if system == "fsdp_lite-compiled":
         fsdp_lite.compile_blocks(model, Block)
-    if cfg.checkpoint and system in ("fsdp2", "ddp", "fsdp1"):
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            apply_activation_checkpointing,
-        )
-
-        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    if cfg.checkpoint and system in ("unwrapped", "fsdp2", "ddp"):  # before wrapping
+        _checkpoint_blocks(model)
     model = _wrap(system, precision, cfg, model, device, meta, **kw)
     if cfg.checkpoint and system.startswith("fsdp_lite"):  # ckpt(unit(block))
         fsdp_lite.apply_activation_checkpointing(
             model, lambda m: isinstance(m, fsdp_lite.FSDPModule) and m is not model
         )
+    elif cfg.checkpoint and system == "fsdp1":  # inside each FSDP unit, the usual recipe
+        _checkpoint_blocks(model)
     if meta:
         shards = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
         with torch.no_grad():
             for s in shards:
                 s.normal_(std=0.02)
     return model
+
+
+def _checkpoint_blocks(model: nn.Module) -> None:
+    """Every block behind torch's (non-reentrant) checkpoint wrapper."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
 
 
 def _wrap(
