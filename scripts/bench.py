@@ -52,7 +52,7 @@ from torch import nn  # noqa: E402
 import fsdp_lite  # noqa: E402
 from fsdp_lite.testing.memory import REGIONS, MemoryRecorder  # noqa: E402
 from fsdp_lite.testing.models import GPT, Block  # noqa: E402
-from fsdp_lite.testing.spawn import run_distributed  # noqa: E402
+from fsdp_lite.testing.spawn import fake_group, run_distributed  # noqa: E402
 
 MODEL_FLAGS = ("layers", "dim", "heads", "seq", "batch", "vocab", "seed")
 STEP_FLAGS = ("systems", "precisions", "world_size", "steps", "warmup", "rounds", "threads")
@@ -313,7 +313,8 @@ def run_host(sc: Scenario, cfg: Config) -> tuple[list[str], Any]:
     # One process: the divergence check's mode is process-wide, SSD needs its directory
     allowed = tuple(s for s in SYSTEMS if s not in ("fsdp_lite-nocheck", "fsdp_lite-ssd"))
     systems, results = pick(cfg.systems, allowed, "--systems"), {}
-    with bh.fake_group(0, cfg.world_size):
+    bh.quiet_fake_rank()
+    with fake_group(0, cfg.world_size):
         for precision in pick(cfg.precisions, PRECISIONS, "--precisions"):
             cases = [HostCase(s, precision, cfg) for s in systems]
             for case in cases:

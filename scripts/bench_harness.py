@@ -32,6 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_lite.testing.memory import storage_bytes
+from fsdp_lite.testing.spawn import fake_group
+
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
 GIB = 2**30
@@ -52,22 +55,11 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
-@contextlib.contextmanager
-def fake_group(rank: int, world: int) -> Iterator[None]:
-    """This process as rank ``rank`` of ``world`` on torch's fake process group
-    (collectives complete at once and move nothing: what one rank of a real job holds
-    and does on its host), one thread."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+def quiet_fake_rank() -> None:
+    """One thread, and rows no rank writes on the fake process group (uneven gathers,
+    whole params) left uninitialized without denormals among them slowing arithmetic."""
     torch.set_num_threads(1)
-    # Rows no rank writes (uneven gathers, whole params) stay uninitialized, and denormals
-    # among them would slow the arithmetic.
     torch.set_flush_denormal(True)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def fake_rank(fn: Callable[..., Any], rank: int, world: int, *args: Any, timeout_s: float) -> Any:
@@ -100,6 +92,7 @@ def fake_rank(fn: Callable[..., Any], rank: int, world: int, *args: Any, timeout
 def _fake_child(fn: Callable, rank: int, world: int, args: tuple, out: str) -> None:
     sys.stdout.flush()
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    quiet_fake_rank()
     with fake_group(rank, world):
         result = fn(rank, world, *args)
     Path(out).write_text(json.dumps(jsonable(result)))
@@ -236,23 +229,12 @@ def count_collectives(counts: Counts | None = None) -> Iterator[Counts]:
 def model_state_bytes(model: nn.Module, opts: Iterable[Any]) -> dict[str, int]:
     """Bytes of this rank's shards, shard grads and optimizer state (storage, deduplicated)."""
     seen: set[int] = set()
-
-    def nbytes(tensors: Iterable[torch.Tensor]) -> int:
-        total = 0
-        for t in tensors:
-            t = t.to_local() if hasattr(t, "to_local") else t
-            s = t.untyped_storage()
-            if s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total += s.nbytes()
-        return total
-
     params = list(model.parameters())
     states = [v for o in opts for st in o.state.values() for v in st.values()]
     return {
-        "params": nbytes(params),
-        "grads": nbytes(p.grad for p in params if p.grad is not None),
-        "optimizer": nbytes(v for v in states if isinstance(v, torch.Tensor)),
+        "params": storage_bytes(params, seen),
+        "grads": storage_bytes((p.grad for p in params if p.grad is not None), seen),
+        "optimizer": storage_bytes((v for v in states if isinstance(v, torch.Tensor)), seen),
     }
 
 

@@ -66,7 +66,7 @@ from train_setup import (
 
 import fsdp_lite
 from fsdp_lite.planner.estimate import MemoryEstimate
-from fsdp_lite.testing.memory import MemoryRecorder
+from fsdp_lite.testing.memory import MemoryRecorder, storage_bytes
 
 
 class Trainer:
@@ -608,8 +608,7 @@ def _live_tensor_bytes(model: nn.Module, opts: list[torch.optim.Optimizer]) -> i
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [v for o in opts for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+    return storage_bytes(tensors)
 
 
 def memory_report(est: fsdp_lite.planner.estimate.MemoryEstimate, measured: int) -> str:

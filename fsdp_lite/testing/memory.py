@@ -23,7 +23,7 @@ import contextlib
 import os
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,3 +270,16 @@ def _where(nodes: list, t: int, kept: Sequence[str]) -> list[str]:
     ]
     open_.sort(key=lambda n: n.start_time_ns)
     return [n.name.removeprefix(_AUTOGRAD) for n in open_]
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
+    """Bytes of the storages behind ``tensors`` (a DTensor's local part), each counted
+    once, also across calls that share ``seen``."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total

@@ -5,6 +5,7 @@ Run many cases inside one spawn: spawning costs seconds, a case milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
@@ -12,7 +13,7 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -124,3 +125,17 @@ def _collect(results, procs, timeout: float) -> dict[int, tuple[bool, Any]]:
             if all(not p.is_alive() for p in procs) and results.empty():
                 break
     return reports
+
+
+@contextlib.contextmanager
+def fake_group(rank: int, world_size: int) -> Iterator[None]:
+    """This process as rank ``rank`` of ``world_size`` on torch's fake process group:
+    collectives complete at once and move nothing, so one process shows what one rank of
+    a real job holds and does on its host (per-rank memory, host time, bytes issued)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -238,17 +238,16 @@ def _row(
 
 def worker(world: int) -> None:
     """Run this world size's cases; one JSON line per case on stdout."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from fsdp_lite.testing.spawn import fake_group
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    for case in (c for c in CASES if c.world == world):
-        est = estimate(case)
-        print(json.dumps(_row(case.name, est, measure(case), case=asdict(case))), flush=True)
-    if world == 8:
-        print(json.dumps(_plan_row(world)), flush=True)
+    with fake_group(0, world):
+        for case in (c for c in CASES if c.world == world):
+            est = estimate(case)
+            print(json.dumps(_row(case.name, est, measure(case), case=asdict(case))), flush=True)
+        if world == 8:
+            print(json.dumps(_plan_row(world)), flush=True)
 
 
 # -- the test ----------------------------------------------------------------------------

@@ -338,12 +338,11 @@ def layout_figures(world: int, n_layer: int = 8) -> dict:
 
 
 def _layout_worker() -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from fsdp_lite.testing.spawn import fake_group
 
     for world in range(2, 9):
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        print(json.dumps({"world": world, **layout_figures(world)}), flush=True)
-        dist.destroy_process_group()
+        with fake_group(0, world):
+            print(json.dumps({"world": world, **layout_figures(world)}), flush=True)
 
 
 def test_layout_bytes_and_balance():
