@@ -28,11 +28,10 @@ from fsdp_lite.addons.offload import CPUOffload, SSDOffload, offload_optimizer_s
 from fsdp_lite.addons.offload_model import OffloadModel
 from fsdp_lite.addons.optim_state import full_optim_state_dict, load_full_optim_state_dict
 from fsdp_lite.build import deferred_init, wrap
-from fsdp_lite.core.accounting import reset_stats, stats
 from fsdp_lite.core.collectives import DivergenceError, PeerError, hybrid_groups
 from fsdp_lite.core.policies import MixedPrecision, PrefetchPolicy
 from fsdp_lite.core.state import FSDPStateError
-from fsdp_lite.fsdp import FSDPModule
+from fsdp_lite.fsdp import FSDPModule, reset_stats, stats
 from fsdp_lite.planner.estimate import estimate_memory, plan
 
 __all__ = [

@@ -22,7 +22,7 @@ from fsdp_lite.addons.offload import CPUOffload, SSDOffload
 from fsdp_lite.build import deferred_init, ownership
 from fsdp_lite.build.unit_init import build_flat_params, install_fp32_modules, prepare_buffers
 from fsdp_lite.build.wrap import Policy, apply_policy, unowned_parameters
-from fsdp_lite.core import collectives, devices, ignored, root
+from fsdp_lite.core import accounting, collectives, devices, ignored, root
 from fsdp_lite.core.checks import check_dtensors, check_wrappable
 from fsdp_lite.core.grads import nonfinite_units, scale_, total_norm
 from fsdp_lite.core.home import DeviceHome
@@ -191,12 +191,13 @@ class FSDPModule(nn.Module):
             reshard_after_forward=o.reshard_after_forward,
             fp32_masters=o.fp32_masters,
             home=o.offload.make_home(device, rank) if o.offload else DeviceHome(device),
+            ledger=plan.ledger,
         )
         self.__dict__[UNIT_ATTR] = unit
         if plan.ignore is not None:  # the outermost unit leaves them whole (ignored.py)
             ignored.take(
                 plan.ignore, self.device, self.process_group, self.replicate_group,
-                o.sync_module_states,
+                o.sync_module_states, unit.tag,
             )  # fmt: skip
             plan = dataclasses.replace(plan, ignore=None)
         if plan.init_plan is None and deferred_init.has_meta_tensors(module):
@@ -357,7 +358,9 @@ class FSDPModule(nn.Module):
         grads = [g for f in flats for g in f.grads()]
         parts = [part for f in flats for part in f.norm_parts()]
         whole = self._ignored_grads()
-        total = total_norm(parts, float(norm_type), self.device, self.process_group, whole)
+        total = total_norm(
+            parts, float(norm_type), self.device, self.process_group, whole, self._unit.tag
+        )
         if error_if_nonfinite and not torch.isfinite(total):
             bad = nonfinite_units(units, self.device, self.process_group)
             raise RuntimeError(
@@ -663,6 +666,8 @@ class _TreePlan:
     owners: dict[ownership.Location, int] | None = None
     defer: frozenset[int] = frozenset()
     ignore: ignored.Ignored | None = None  # checked, not yet taken (the outermost unit takes it)
+    # The tree's accounting: one FSDPModule call builds its units with one.
+    ledger: accounting.Ledger = dataclasses.field(default_factory=accounting.Ledger)
 
 
 def _child(options: _Options, plan: _TreePlan, module: nn.Module, defer: set[int]) -> FSDPModule:
@@ -671,3 +676,57 @@ def _child(options: _Options, plan: _TreePlan, module: nn.Module, defer: set[int
     nn.Module.__init__(unit)
     unit._build(module, options, dataclasses.replace(plan, defer=frozenset(defer)))
     return unit
+
+
+def _ledgers(module: nn.Module, doing: str) -> list[accounting.Ledger]:
+    """The ledgers of the trees of units in ``module``, each once."""
+    units = units_of(module)
+    if not units:
+        raise ValueError(
+            f"fsdp_lite.{doing}: {type(module).__name__} holds no FSDPModule: pass the wrapped "
+            "model (or a module that contains its wrapped parts, e.g. the pipeline stages "
+            "of this rank in an nn.ModuleList)"
+        )
+    return list({id(u.tag.ledger): u.tag.ledger for u in units}.values())
+
+
+def stats(module: nn.Module, wait: bool = False) -> dict[str, Any]:
+    """What the wrapped model ``module`` did on this rank since the last
+    :func:`reset_stats` of it. Each model counts apart: two wrapped models in one process
+    (teacher and student) do not add into each other's figures.
+
+    No host synchronization: on CUDA, ``exposed_s`` counts the waits whose timing events
+    the device has reached; ``wait=True`` first waits for the device to reach all of them
+    (a host sync, for an exact figure at the end of a run).
+
+    - ``collectives``: per op, calls, bytes (the full buffer each call spans; a ring
+      sends (W-1)/W of it) and dtypes. World size 1 communicates nothing. Ops:
+      ``all_gather``, ``reduce_scatter``, ``replicate_all_reduce`` (hybrid sharding),
+      ``all_reduce`` (e.g. ``clip_grad_norm_``), ``divergence_check`` (a 3-int
+      all-gather per collective in the first iteration of each root and after a
+      deviation; none in the steady state; see ``set_divergence_check``), and the
+      collectives of state dicts, checkpoints and ``summon_full_params``. A
+      ``ShardedGradScaler``'s one all-reduce per step belongs to no model: not counted.
+    - ``units``: the same per unit (by module path), plus ``exposed_s``.
+    - ``exposed_s``: seconds this rank waited on communication that compute had not
+      hidden (CPU blocking time; on CUDA the compute stream's stall).
+    - ``order_changes``: per direction (``forward``/``backward``), passes that strayed
+      from the recorded unit order and replaced it (prefetching is off for the rest of
+      such a pass); 0 once the order is stable. Every step counting: the order changes
+      every step (data-dependent control flow), so prefetching rarely runs.
+    - ``full_bytes_now`` / ``full_bytes_peak``: bytes of gathered full parameters
+      allocated now / at the peak; ``unsharded_units_peak``: most units holding full
+      parameters at once.
+
+    ``module`` may hold several roots (a rank's pipeline stages): their figures add up,
+    and the peaks are then the sum of each root's peak (an upper bound).
+    """
+    return accounting.read(_ledgers(module, "stats"), wait)
+
+
+def reset_stats(module: nn.Module, wait: bool = False) -> None:
+    """Start a new accounting period of ``module`` (e.g. a step); live allocations, and
+    CUDA waits the device has not reached yet (unless ``wait``, see :func:`stats`), carry
+    over."""
+    for ledger in _ledgers(module, "reset_stats"):
+        ledger.reset(wait)

@@ -229,7 +229,8 @@ def library_lines(results: dict[str, dict[str, dict]], tp: bool) -> list[str]:
         )
         mem = ", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in lib["memory_stats"].items())
         lines.append(
-            f"- {precision}: `fsdp_lite.stats()` per step (full-buffer bytes): {ops or 'none'} "
+            f"- {precision}: `fsdp_lite.stats(model)` per step (full-buffer bytes): "
+            f"{ops or 'none'} "
             f"(observed at the ProcessGroup: {seen}); exposed communication "
             f"{lib['exposed_s_median'] * 1e3:.1f} ms/step (median), "
             f"{lib['exposed_fraction']:.0%} of step time; full parameters at peak "
@@ -429,7 +430,8 @@ def run_scale(sc: Scenario, cfg: Config) -> tuple[list[str], Any]:
         }  # fmt: skip
         row["rest"], row["vs_bound"] = row["peak"] - row["state"], row["peak"] / row["bound"]
         rows[f"W={r['world']} {r['system']}"] = row
-    breakdown = [Col(c, c, "{:.3f}") for c in CATEGORIES] + [Col("fsdp_lite.stats()", "lib", "{}")]
+    breakdown = [Col(c, c, "{:.3f}") for c in CATEGORIES]
+    breakdown.append(Col("fsdp_lite.stats(model)", "lib", "{}"))
     lines = [
         f"GPT {cfg.layers} blocks, dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab} (tied), "
         f"seq {cfg.seq}, batch {cfg.batch}/rank: Ψ = {fig['num_params']:,}; units: the root "
@@ -471,13 +473,16 @@ def scale_rank(rank: int, world: int, system: str, cfg: Config) -> dict[str, Any
     with MemoryRecorder("cpu", label="bench::step") as rec:
         model = build(system, "bf16", cfg, torch.device("cpu"), meta=True)
         opt = make_optimizer(model, cfg)
+        ours = system == "fsdp_lite"
         for _ in range(cfg.steps):
-            fsdp_lite.reset_stats()
+            if ours:
+                fsdp_lite.reset_stats(model)
             step = bh.Stopwatch()
             with rec.step():
                 train_step(model, opt, batch, autocast=False)
             step_s.append(step.wall())
-            lib.append(fsdp_lite.stats())
+            if ours:
+                lib.append(fsdp_lite.stats(model))
         state = bh.model_state_bytes(model, [opt])
         del model, opt
     counted = lib[1:] or lib
@@ -491,7 +496,7 @@ def scale_rank(rank: int, world: int, system: str, cfg: Config) -> dict[str, Any
         "build_s": watch.wall() - sum(step_s),
         "step_s": step_s,
         "lib": {k: max(s[k] for s in counted) for k in ("full_bytes_peak", "unsharded_units_peak")}
-        if system == "fsdp_lite" else None,
+        if ours else None,
     }  # fmt: skip
 
 
@@ -550,7 +555,7 @@ def run_lora(sc: Scenario, cfg: Config) -> tuple[list[str], Any]:
         f"full), LoRA r={cfg.lora_rank}; W={cfg.world_size} gloo, {cfg.batch}x{cfg.seq} "
         f"tokens per rank; median of {cfg.rounds} rounds, largest rank, backward of steps "
         f"2..{cfg.steps}: peak tensor memory inside backward (profiler allocator events) and "
-        "gathered full parameters (`fsdp_lite.stats()`).",
+        "gathered full parameters (`fsdp_lite.stats(model)`).",
         "",
         *bh.table(rows, sc.cols, sc.ref),
     ], rows
@@ -581,14 +586,16 @@ def lora_rank(rank: int, world: int, cfg: Config) -> dict[str, list[dict]]:
                 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
                 total = sum(p.numel() for p in model.parameters())
                 policy = fsdp_lite.wrap.by_type(*fsdp_lite.wrap.transformer_layers(model))
-                model = fsdp_lite.FSDPModule(model, auto_wrap_policy=policy)
+                model = fsdp_lite.FSDPModule(  # a CPU benchmark, on a GPU machine too
+                    model, auto_wrap_policy=policy, device=torch.device("cpu")
+                )
                 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
                 for _ in range(cfg.steps):
                     loss = model(input_ids=x, labels=x, use_cache=False).loss
-                    fsdp_lite.reset_stats()
+                    fsdp_lite.reset_stats(model)
                     with rec.step():
                         loss.backward()
-                    s = fsdp_lite.stats()
+                    s = fsdp_lite.stats(model)
                     full_peaks.append(s["full_bytes_peak"])
                     unit_peaks.append(s["unsharded_units_peak"])
                     if s["full_bytes_now"]:
@@ -677,7 +684,7 @@ def muon_case(case: str, cfg: Config) -> tuple[nn.Module, list[Any]]:
     else:  # a group per model: whole params balance owners over what a group wraps
         model = fsdp_lite.FSDPModule(
             model, process_group=dist.new_group(list(range(world))),
-            auto_wrap_policy=fsdp_lite.wrap.by_type(Block),
+            auto_wrap_policy=fsdp_lite.wrap.by_type(Block), device=torch.device("cpu"),
             optimizer_params="flat" if case == MUON_CASES[0] else "whole",
         )  # fmt: skip
     named = list(model.named_parameters())
@@ -704,7 +711,6 @@ def muon_rank(rank: int, world: int, cfg: Config) -> dict[str, Any]:
             step_s, opt_s = [], []
             for i, (x, y) in enumerate(batches):
                 dist.barrier()  # ranks start each step together: the slowest rank is the step
-                fsdp_lite.reset_stats()
                 timed, (comm, opt_comm) = i >= cfg.warmup, counts[case]
                 with bh.count_collectives(comm if timed else None):
                     watch = bh.Stopwatch()
@@ -743,9 +749,9 @@ def muon_layout(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     for case in MUON_CASES[:2]:
         model, opts = muon_case(case, cfg)
         for _ in range(2):  # the first step also runs the divergence check in lockstep
-            fsdp_lite.reset_stats()
+            fsdp_lite.reset_stats(model)
             model(x, y)[1].backward()
-        stats, owned, padded = fsdp_lite.stats(), [0] * world, 0.0
+        stats, owned, padded = fsdp_lite.stats(model), [0] * world, 0.0
         for u in units_of(model):
             moved = sum(stats["units"].get(u.name, {}).get(op, {}).get("bytes", 0) for op in ops)
             full = pad = 0

@@ -294,7 +294,7 @@ def _steps(
             out["rss_peak_bytes"] = bh.rss_bytes("VmHWM")
             bh.reset_peak_rss()
         if lib:
-            fsdp_lite.reset_stats()
+            fsdp_lite.reset_stats(model)
         dist.barrier()  # every rank starts the step together: the slowest rank is the step
         with bh.count_collectives(counts) if timed else contextlib.nullcontext():
             watch = bh.Stopwatch()
@@ -307,7 +307,7 @@ def _steps(
         if i == cfg.warmup - 1:
             out["graphs_after_warmup"] = _graphs()
         if lib and timed:
-            s = fsdp_lite.stats()
+            s = fsdp_lite.stats(model)
             exposed.append(s["exposed_s"])
             full_peak.append(s["full_bytes_peak"])
             out["library"] = {"last_step": s, "memory_stats": model.memory_stats()}

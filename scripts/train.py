@@ -110,7 +110,7 @@ class Trainer:
         for opt, peaks in zip(self.opts, self.peaks, strict=True):  # train.lr's schedule
             for group, peak in zip(opt.param_groups, peaks, strict=True):
                 group["lr"] = peak * lr / t.lr
-        fsdp_lite.reset_stats()
+        fsdp_lite.reset_stats(model)
         if d.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(d.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
@@ -134,7 +134,7 @@ class Trainer:
         for opt in self.opts:
             opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
-        stats = fsdp_lite.stats()  # read before our own all-gather below
+        stats = fsdp_lite.stats(model)  # read before our own all-gather below
         local = [loss_sum.item(), peak_memory_bytes(d.device), stats["full_bytes_peak"]]
         rows = gather_rows(local + [stats["exposed_s"]], d)  # (W, 4)
         ranks = {k: rows[:, i].tolist() for i, k in enumerate(LOCAL_FIELDS) if i}
@@ -326,7 +326,7 @@ class StepMetrics:
     grad_norm: float  # before clipping
     skipped: bool  # non-finite grads (fp16 overflow): no optimizer step
     seconds: float
-    comm: dict[str, dict]  # fsdp_lite.stats()["collectives"] of this step (this rank)
+    comm: dict[str, dict]  # fsdp_lite.stats(model)["collectives"] of this step (this rank)
     ranks: dict[str, list[float]]  # LOCAL_FIELDS other than loss_sum, one value per rank
 
     @property

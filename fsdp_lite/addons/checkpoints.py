@@ -186,7 +186,7 @@ def _whole(flat: FlatParam, i: int, local: Local, dtype: torch.dtype) -> torch.T
         owner = flat.owner(slot.offset)
         if owner == flat.rank:
             value.copy_(local(slot.offset - flat.rank_range()[0], slot.numel))
-        collectives.broadcast(value, flat.group, src_rank=owner)
+        collectives.broadcast(value, flat.group, src_rank=owner, tag=flat.tag)
     return value.view(slot.shape)
 
 

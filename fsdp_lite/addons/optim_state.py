@@ -240,7 +240,9 @@ def full_optim_state_dict(
         for key, dtype in sharded_keys(flat, names, ex.kinds).items():
             local = _shard_state(flat, local_state(flat, key, entries), dtype)
             full = torch.empty(flat.padded_numel, dtype=dtype, device=local.device)
-            collectives.all_gather_flat(full, local, flat.group, sizes=flat.rank_sizes)
+            collectives.all_gather_flat(
+                full, local, flat.group, tag=flat.tag, sizes=flat.rank_sizes
+            )
             for slot in flat.slots:
                 kind = ex.kinds.get(names[id(slot)], {}).get(key)
                 if kind is not None and kind[0] == "sharded":

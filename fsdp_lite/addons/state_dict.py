@@ -61,13 +61,18 @@ def flat_params(root: nn.Module) -> list[FlatParam]:
     return [flat for unit in units_of(root) for flat in unit.flat_params]
 
 
-def _groups(root: nn.Module) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup | None]:
-    """The model's shard and replicate groups: its root unit's, or (a plain module holding
-    units) its first unit's."""
+def _first_unit(root: nn.Module) -> Unit:
+    """The model's root unit, or (a plain module holding units) its first unit: its shard
+    and replicate groups are the model's, its tag issues the model's broadcasts."""
     units = units_of(root)
     if not units:
         raise ValueError(f"{type(root).__name__} holds no fsdp_lite.FSDPModule")
-    return units[0].process_group, units[0].replicate_group
+    return units[0]
+
+
+def _groups(root: nn.Module) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup | None]:
+    unit = _first_unit(root)
+    return unit.process_group, unit.replicate_group
 
 
 def is_rank0(root: nn.Module) -> bool:
@@ -90,10 +95,11 @@ def _first_on_meshes(root: nn.Module) -> bool:
 def broadcast_from_rank0(root: nn.Module, tensor: torch.Tensor) -> None:
     """In place, from ``is_rank0``'s rank to every rank of the model (collective): across
     the replicas first (between the shard groups' rank 0s), then within each shard group."""
-    group, replicate = _groups(root)
+    unit = _first_unit(root)
+    group, replicate = unit.process_group, unit.replicate_group
     if replicate is not None and collectives.rank(group) == 0:
-        collectives.broadcast(tensor, replicate)
-    collectives.broadcast(tensor, group)
+        collectives.broadcast(tensor, replicate, tag=unit.tag)
+    collectives.broadcast(tensor, group, tag=unit.tag)
 
 
 def broadcast_object_from_rank0(root: nn.Module, obj: Any) -> Any:

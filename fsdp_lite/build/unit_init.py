@@ -74,6 +74,8 @@ def _make_flat(
         sync=sync,
         owners=ranks,
         fp32_masters=unit.fp32_masters,
+        tag=unit.tag,
+        unit_key=id(unit),
     )
     for slot in flat.slots:
         for sub, attr in slot.locations:
@@ -149,7 +151,8 @@ def prepare_buffers(unit: Unit, module: nn.Module, sync: bool) -> None:
             original.setdefault(name, buf.dtype)
             buf = buf.to(unit.device)
             if sync:
-                collectives.broadcast_from_first(buf, [unit.replicate_group, unit.process_group])
+                groups = [unit.replicate_group, unit.process_group]
+                collectives.broadcast_from_first(buf, groups, unit.tag)
             keep = mp is None or mp.buffer_dtype is None or isinstance(sub, mp.fp32_module_types)
             if buf.is_floating_point() and not keep:
                 buf = buf.to(mp.buffer_dtype)

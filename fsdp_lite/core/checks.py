@@ -86,7 +86,7 @@ def check_replicas_agree(unit: Unit) -> None:
     if not unit.flat_params:
         return
     shards = [flat.shard for flat in unit.flat_params]
-    if bool(collectives.differ_across(shards, [group], unit.device).any()):
+    if bool(collectives.differ_across(shards, [group], unit.device, unit.tag).any()):
         raise ValueError(
             f"fsdp_lite: hybrid sharding: at the first forward the replicas of unit "
             f"'{unit.name}' hold different values for the same slice of its parameters (each "
@@ -110,7 +110,7 @@ def check_initialized(unit: Unit) -> None:
     )
     for group in (unit.process_group, unit.replicate_group):
         if group is not None:
-            collectives.all_reduce(nan, group, op="max", kind="init_check")
+            collectives.all_reduce(nan, group, op="max", kind="init_check", tag=unit.tag)
     if not bool(nan.any()):
         unit.check_init = False
         return

@@ -2,9 +2,9 @@
 gloo or NCCL: no transport of our own).
 
 Everything that talks to other ranks goes through the free functions here, which
-take everything they need as arguments. They count calls and bytes per collective
-(see ``accounting.py``), short-circuit world size 1 (no communication), and are
-the seam tests patch to observe what crosses the wire.
+take everything they need as arguments: among them the issuer's ``Tag``, whose ledger
+counts calls and bytes per collective (``accounting.py``). They short-circuit world size 1
+(no communication), and are the seam tests patch to observe what crosses the wire.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from fsdp_lite.core import accounting
+from fsdp_lite.core.accounting import Tag
 
 ProcessGroup = dist.ProcessGroup
 
@@ -58,7 +58,7 @@ def _is_peer_failure(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def _peer_errors(op: str, unit: str | None, group: ProcessGroup | None = None) -> Iterator[None]:
+def _peer_errors(op: str, tag: Tag | None, group: ProcessGroup | None = None) -> Iterator[None]:
     try:
         yield
     except (DivergenceError, PeerError):
@@ -66,7 +66,7 @@ def _peer_errors(op: str, unit: str | None, group: ProcessGroup | None = None) -
     except RuntimeError as e:
         if not _is_peer_failure(e):
             raise
-        what = f"{op} of unit '{unit}'" if unit else op
+        what = f"{op} of unit '{tag.name}'" if tag is not None and tag.name else op
         # The error path only: a peer that turned off the agreed iterations left its entry
         # in the store (the divergence check's post-mortem, see Note).
         check = group_state(group).check if group is not None else None
@@ -88,13 +88,13 @@ class Handle:
     def __init__(
         self,
         work: Any,
-        unit: str | None,
+        tag: Tag | None,
         device: torch.device,
         group: ProcessGroup | None = None,
         after: Callable[[], None] | None = None,
     ) -> None:
         self.work = work
-        self.unit = unit
+        self.tag = tag  # who issued it: its unit's name, counted in its tree's ledger
         self.device = device
         self.group = group
         self.after = after
@@ -115,22 +115,24 @@ class Handle:
         # flight, the buffers the work writes must not be freed under it.
         self.pending_work, self.work = work, None
         if self.device.type == "cuda" and not exposed:
-            with _peer_errors("waiting for a collective", self.unit, self.group):
+            with _peer_errors("waiting for a collective", self.tag, self.group):
                 work.wait()
         elif self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)  # the one work.wait() holds
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            with _peer_errors("waiting for a collective", self.unit, self.group):
+            with _peer_errors("waiting for a collective", self.tag, self.group):
                 work.wait()
             end.record(stream)
-            accounting.record_cuda_wait(self.unit, start, end)
+            if self.tag is not None and self.tag.ledger is not None:
+                self.tag.ledger.cuda_wait(self.tag.name, start, end)
         else:
             t0 = time.perf_counter()
-            with _peer_errors("waiting for a collective", self.unit, self.group):
+            with _peer_errors("waiting for a collective", self.tag, self.group):
                 _wait_watching_for_divergence(work, self.group)
-            accounting.record_wait(self.unit, time.perf_counter() - t0)
+            if self.tag is not None and self.tag.ledger is not None:
+                self.tag.ledger.wait(self.tag.name, time.perf_counter() - t0)
         self.pending_work = None
         after, self.after = self.after, None  # it may hold the collective's buffers
         if after is not None:
@@ -269,8 +271,8 @@ class CollectiveCheck(Protocol):
     """What the collectives ask of a process group's divergence check
     (``divergence._Check``, which registers itself in :attr:`GroupState.check`)."""
 
-    def before(self, op: str, unit: str | None, tensor: torch.Tensor, group: ProcessGroup) -> None:
-        """Called before each collective on the group."""
+    def before(self, op: str, tag: Tag | None, tensor: torch.Tensor, group: ProcessGroup) -> None:
+        """Called before each collective on the group (``tag``: who issues it)."""
 
     def watching(self) -> bool:
         """Should a long wait look for a peer's open check?"""
@@ -324,7 +326,7 @@ def _copy_back(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None] | Non
 
 def _begin(
     op: str,
-    unit: str | None,
+    tag: Tag | None,
     tensor: torch.Tensor,
     group: ProcessGroup,
     near: torch.device,
@@ -337,8 +339,9 @@ def _begin(
         return None
     check = group_state(group).check  # core/divergence.py's, once a root ran
     if check is not None:
-        check.before(op, unit, tensor, group)
-    accounting.record_collective(kind or op, tensor, unit)
+        check.before(op, tag, tensor, group)
+    if tag is not None:
+        tag.collective(kind or op, tensor)
     return comm_device(group, near)
 
 
@@ -348,7 +351,7 @@ def all_gather_flat(
     group: ProcessGroup,
     *,
     async_op: bool = False,
-    unit: str | None = None,
+    tag: Tag | None = None,
     sizes: list[int] | None = None,
 ) -> Handle:
     """Gather every rank's 1-D ``shard`` into ``output`` (rank order): equal-sized, or of
@@ -357,20 +360,20 @@ def all_gather_flat(
     With ``async_op`` the result is valid only after the returned handle's ``wait()``;
     keep ``shard`` alive until then.
     """
-    device = _begin("all_gather", unit, output, group, output.device)
+    device = _begin("all_gather", tag, output, group, output.device)
     if device is None:
         output.copy_(shard)
-        return Handle(None, unit, output.device)
+        return Handle(None, tag, output.device)
     out = output if output.device == device else torch.empty_like(output, device=device)
     staged = _staged(shard, device)
-    with _peer_errors("all_gather", unit):
+    with _peer_errors("all_gather", tag):
         if _on_gloo(group, device) or (sizes is not None and not _on_nccl(group, device)):
             work = _gather_by_broadcasts(_rows(out, sizes, group), staged, group)
         elif sizes is not None:  # NCCL: a grouped broadcast per rank
             work = dist.all_gather(_rows(out, sizes, group), staged, group=group, async_op=True)
         else:
             work = _all_gather_flat(out, staged, group=group, async_op=True)
-    handle = Handle(work, unit, device, group, _copy_back(output, out))
+    handle = Handle(work, tag, device, group, _copy_back(output, out))
     if not async_op:
         handle.wait()
     return handle
@@ -445,7 +448,7 @@ def reduce_scatter_flat(
     full: torch.Tensor,
     group: ProcessGroup,
     *,
-    unit: str | None = None,
+    tag: Tag | None = None,
     sizes: list[int] | None = None,
 ) -> Handle:
     """Sum ``full`` over ranks and leave rank r's contiguous 1/W slice in ``output`` (or,
@@ -464,24 +467,24 @@ def reduce_scatter_flat(
     moment after completing it, and were its the last, the memory would be freed there,
     at a point that depends on thread timing.
     """
-    device = _begin("reduce_scatter", unit, full, group, output.device)
+    device = _begin("reduce_scatter", tag, full, group, output.device)
     if device is None:
         output.copy_(full)
-        return Handle(None, unit, output.device)
+        return Handle(None, tag, output.device)
     staged = _staged(full, device)
     if _on_gloo(group, device) or (sizes is not None and not _on_nccl(group, device)):
-        with _peer_errors("reduce_scatter", unit):
+        with _peer_errors("reduce_scatter", tag):
             work = dist.all_reduce(staged, group=group, async_op=True)
         take = functools.partial(_take_slice, output, staged, sizes, group)
-        return Handle(work, unit, device, group, take)
+        return Handle(work, tag, device, group, take)
     out = output if output.device == device else torch.empty_like(output, device=device)
-    with _peer_errors("reduce_scatter", unit):
+    with _peer_errors("reduce_scatter", tag):
         if sizes is not None:  # a grouped reduce per rank
             parts = _rows(staged, sizes, group)
             work = dist.reduce_scatter(out, parts, group=group, async_op=True)
         else:
             work = _reduce_scatter_flat(out, staged, group=group, async_op=True)
-    return Handle(work, unit, device, group, _copy_back(output, out))
+    return Handle(work, tag, device, group, _copy_back(output, out))
 
 
 def all_reduce(
@@ -490,7 +493,7 @@ def all_reduce(
     op: str = "sum",
     *,
     kind: str = "all_reduce",
-    unit: str | None = None,
+    tag: Tag | None = None,
     async_op: bool = False,
 ) -> Handle | None:
     """In-place all-reduce with ``op`` in {"sum", "max"}; counted under ``kind``. With
@@ -499,16 +502,16 @@ def all_reduce(
     ``"max"`` counts a NaN as +inf on every backend: NCCL's float max is ``fmax``, which
     drops a NaN unless every rank has one, so a NaN on one rank (a gradient norm, a
     replica's fingerprint) would come back finite."""
-    device = _begin("all_reduce", unit, tensor, group, tensor.device, kind)
+    device = _begin("all_reduce", tag, tensor, group, tensor.device, kind)
     if device is None:
         return None
     staged = _staged(tensor, device)
     if op == "max" and staged.is_floating_point():
         staged.nan_to_num_(nan=math.inf, posinf=math.inf, neginf=-math.inf)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    with _peer_errors(kind, unit):
+    with _peer_errors(kind, tag):
         work = dist.all_reduce(staged, op=reduce_op, group=group, async_op=True)
-    handle = Handle(work, unit, device, group, _copy_back(tensor, staged))
+    handle = Handle(work, tag, device, group, _copy_back(tensor, staged))
     if async_op:
         return handle
     handle.wait()
@@ -519,7 +522,7 @@ def differ_across(
     tensors: list[torch.Tensor],
     groups: list[ProcessGroup],
     device: torch.device,
-    unit: str | None = None,
+    tag: Tag | None = None,
 ) -> torch.Tensor:
     """Per tensor, whether its value differs between the ranks of ``groups`` (bool, shape
     ``(len(tensors),)``): three float64 fingerprints of each (sum, sum of squares, a ramp-
@@ -534,28 +537,32 @@ def differ_across(
     mine = torch.stack(prints)  # (len(tensors), 3)
     both = torch.cat([mine, -mine])
     for group in groups:
-        all_reduce(both, group, op="max", kind="replica_check", unit=unit)
+        all_reduce(both, group, op="max", kind="replica_check", tag=tag)
     return (both[: len(tensors)] != -both[len(tensors) :]).any(dim=1)
 
 
-def broadcast_from_first(tensor: torch.Tensor, groups: list[ProcessGroup | None]) -> None:
+def broadcast_from_first(
+    tensor: torch.Tensor, groups: list[ProcessGroup | None], tag: Tag | None = None
+) -> None:
     """Make ``tensor`` equal on all ranks of the given groups (their first rank's value);
     with (replicate, shard) groups, every rank ends with global rank 0's value."""
     for group in groups:
         if group is not None:
-            broadcast(tensor, group)
+            broadcast(tensor, group, tag=tag)
 
 
-def broadcast(tensor: torch.Tensor, group: ProcessGroup, src_rank: int = 0) -> None:
+def broadcast(
+    tensor: torch.Tensor, group: ProcessGroup, src_rank: int = 0, *, tag: Tag | None = None
+) -> None:
     """In-place broadcast from the group's rank ``src_rank``."""
-    device = _begin("broadcast", None, tensor, group, tensor.device)
+    device = _begin("broadcast", tag, tensor, group, tensor.device)
     if device is None:
         return
     staged = _staged(tensor, device)
     src = dist.get_global_rank(group, src_rank)
-    with _peer_errors("broadcast", None):
+    with _peer_errors("broadcast", tag):
         work = dist.broadcast(staged, src=src, group=group, async_op=True)
-    Handle(work, None, device, group, _copy_back(tensor, staged)).wait()
+    Handle(work, tag, device, group, _copy_back(tensor, staged)).wait()
 
 
 def barrier(group: ProcessGroup) -> None:
@@ -608,11 +615,15 @@ def global_rank() -> int:
     return dist.get_rank()
 
 
-def gather_ints(mine: torch.Tensor, group: ProcessGroup, what: str, unit: str) -> torch.Tensor:
+def gather_ints(
+    mine: torch.Tensor, group: ProcessGroup, what: str, tag: Tag | None
+) -> torch.Tensor:
     """Every rank's ``mine`` (a small int64 tensor on the group's device), concatenated in
-    rank order: the divergence check's lockstep compare, issued as is (not checked itself)."""
+    rank order: the divergence check's lockstep compare for a collective ``tag`` issues,
+    itself issued as is (not checked) and counted in ``tag``'s ledger."""
     everyone = torch.empty(world_size(group) * mine.numel(), dtype=mine.dtype, device=mine.device)
-    accounting.record_collective("divergence_check", everyone, None)
-    with _peer_errors(what, unit):
+    if tag is not None:
+        tag.collective("divergence_check", everyone)
+    with _peer_errors(what, tag):
         _all_gather_flat(everyone, mine, group=group)
     return everyone

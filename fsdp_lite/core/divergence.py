@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from fsdp_lite.core import collectives
+from fsdp_lite.core.accounting import Tag
 from fsdp_lite.core.collectives import DivergenceError, ProcessGroup, group_state
 
 CHECK_MODES = ("off", "cheap", "thorough")
@@ -104,10 +105,10 @@ class _Check:
     def watching(self) -> bool:
         return _SETTINGS.mode == "cheap" and self.peers
 
-    def before(self, op: str, unit: str | None, tensor: torch.Tensor, group: ProcessGroup) -> None:
+    def before(self, op: str, tag: Tag | None, tensor: torch.Tensor, group: ProcessGroup) -> None:
         if _SETTINGS.mode == "off" or not self.peers:
             return
-        entry = (op, unit or "-", tensor.numel())
+        entry = (op, (tag.name if tag is not None else None) or "-", tensor.numel())
         position = len(self.log)
         self.log.append(entry)
         known = self.at.next.get(entry)
@@ -115,7 +116,7 @@ class _Check:
             self.at = known
             return
         if self.lockstep or _SETTINGS.mode == "thorough":
-            self._compare_now(entry, position, group, tensor.device)
+            self._compare_now(entry, position, group, tensor.device, tag)
         else:
             self._rendezvous(entry, position, group)
             self.lockstep = True  # every rank took the same turn: compare the rest now
@@ -127,12 +128,13 @@ class _Check:
         self.sizes[self.root] = self.sizes.get(self.root, 0) + 1
         return node
 
-    def start_iteration(self, root: str, group: ProcessGroup, device: torch.device) -> None:
-        """At a root's forward: close the last iteration (a rank that ends where no agreed
-        iteration ended checks with its peers first), open the next."""
+    def start_iteration(self, tag: Tag, group: ProcessGroup, device: torch.device) -> None:
+        """At the forward of the root ``tag`` names: close the last iteration (a rank that
+        ends where no agreed iteration ended checks with its peers first), open the next."""
+        root = tag.name
         if _SETTINGS.mode != "off" and self.peers and self.root is not None:
             if self.lockstep or _SETTINGS.mode == "thorough":
-                self._compare_now(_END, len(self.log), group, device)
+                self._compare_now(_END, len(self.log), group, device, tag)
             elif not self.at.ends:
                 self._rendezvous(_END, len(self.log), group)
             self.at.ends = True
@@ -152,12 +154,17 @@ class _Check:
     # -- lockstep: compare on the group itself ---------------------------------------
 
     def _compare_now(
-        self, entry: Entry, position: int, group: ProcessGroup, device: torch.device
+        self,
+        entry: Entry,
+        position: int,
+        group: ProcessGroup,
+        device: torch.device,
+        tag: Tag | None,
     ) -> None:
         device = collectives.comm_device(group, device)
         code = [_OPS[entry[0]], zlib.crc32(entry[1].encode()), entry[2]]
         mine = torch.tensor(code, dtype=torch.int64, device=device)
-        everyone = collectives.gather_ints(mine, group, f"checking {entry[0]}", entry[1])
+        everyone = collectives.gather_ints(mine, group, f"checking {entry[0]}", tag)
         if bool((everyone.view(-1, 3) == mine).all()):
             return
         entries = collectives.all_gather_object(entry, group)
@@ -286,9 +293,9 @@ def check_of(group: ProcessGroup) -> _Check:
     return state.check  # type: ignore[return-value]
 
 
-def start_iteration(root: str, group: ProcessGroup, device: torch.device) -> None:
+def start_iteration(root: Tag, group: ProcessGroup, device: torch.device) -> None:
     """At a root's forward: the divergence check's iteration on ``group`` ends, the next
-    (of ``root``) begins (see the Note)."""
+    (of the root ``root`` names) begins (see the Note)."""
     check_of(group).start_iteration(root, group, device)
 
 

@@ -81,8 +81,13 @@ class FlatParam:
         sync: bool = False,
         owners: list[int] | None = None,
         fp32_masters: bool = True,
+        tag: accounting.Tag | None = None,
+        unit_key: int = 0,
     ) -> None:
         self.slots = slots
+        # The owning unit's tag (its name and its tree's ledger: ``name_unit``) and identity.
+        self.tag = tag if tag is not None else accounting.Tag(None)
+        self.unit_key = unit_key
         self.group = group
         # Where gradients are reduce-scattered: ``group``, or a second group over the same
         # ranks (FSDPModule.set_separate_reduce_scatter_group).
@@ -133,10 +138,6 @@ class FlatParam:
         # An all-gather in flight into full_data, and its send buffer (kept alive until done).
         self._gather: collectives.Handle | None = None
         self._gather_send: torch.Tensor | None = None
-        # Accounting: the owning unit's name (``name_unit``, when its Root is made) and
-        # identity.
-        self.unit_name: str | None = None
-        self.unit_key = 0
         # One FreedParameter per slot, at its locations whenever full_data is freed.
         self.placeholders: list[FreedParameter] | None = None
         # (slot index, module, attribute) of every location, in one list (_install).
@@ -148,10 +149,13 @@ class FlatParam:
         # optimizer_params 'pieces' / 'whole': what the optimizer sees instead of the shard.
         self.orig_params: OrigParams | None = None
 
-    def name_unit(self, name: str, key: int) -> None:
+    def name_unit(self, tag: accounting.Tag, key: int) -> None:
         """The owning unit's name and identity, for accounting and messages; placeholders
         made from now on name it."""
-        self.unit_name, self.unit_key = name, key
+        if self.is_unsharded:  # a live full buffer moves to the new ledger
+            self._ledger_freed()
+            tag.ledger.full_allocated(id(self), key, self.full_nbytes)
+        self.tag, self.unit_key = tag, key
         self.placeholders = None
 
     def _lay_out(self, owners: list[int] | None) -> None:
@@ -240,11 +244,12 @@ class FlatParam:
                 self.wait_unshard()
             return
         self._allocate_full()
-        accounting.full_allocated(id(self), self.unit_key, self.full_nbytes)
+        if self.tag.ledger is not None:
+            self.tag.ledger.full_allocated(id(self), self.unit_key, self.full_nbytes)
         with torch.no_grad():
             send = self.home.shard_for_gather(self.shard).to(self.compute_dtype)
             self._gather = collectives.all_gather_flat(
-                self.full_data, send, self.group, async_op=True, unit=self.unit_name,
+                self.full_data, send, self.group, async_op=True, tag=self.tag,
                 sizes=self.rank_sizes,
             )  # fmt: skip
         self._gather_send = send
@@ -263,8 +268,12 @@ class FlatParam:
         if self.is_unsharded:
             self.wait_unshard()  # never free memory a collective is still writing
             self.full_data.untyped_storage().resize_(0)
-            accounting.full_freed(id(self), self.unit_key)
+            self._ledger_freed()
             self.use_placeholders()
+
+    def _ledger_freed(self) -> None:
+        if self.tag.ledger is not None:
+            self.tag.ledger.full_freed(id(self), self.unit_key)
 
     def gather_fp32(self, source: torch.Tensor | None = None) -> torch.Tensor:
         """A new unpadded full copy of ``source`` (default: the master shard) from every rank.
@@ -276,7 +285,9 @@ class FlatParam:
             source = self.home.shard_for_gather(self.shard) if fetched else source.detach()
             source = source.to(self.device, self.shard.dtype)
             out = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.device)
-            collectives.all_gather_flat(out, source, self.group, sizes=self.rank_sizes)
+            collectives.all_gather_flat(
+                out, source, self.group, tag=self.tag, sizes=self.rank_sizes
+            )
             if fetched:
                 self.home.after_gather(self.shard)
         return out[: self.numel]
@@ -325,7 +336,7 @@ class FlatParam:
     def use_placeholders(self) -> None:
         """A :class:`FreedParameter` at every original location (see Note); made once."""
         if self.placeholders is None:
-            unit = self.unit_name or "<not yet run>"
+            unit = self.tag.name or "<not yet run>"
             self.placeholders = [
                 freed_parameter(
                     slot.shape,
@@ -482,7 +493,7 @@ def _build_shard(
         full = torch.zeros(flat.padded_numel, dtype=dtype, device=device)
         for slot, p in zip(flat.slots, originals, strict=True):
             full[slot.offset : slot.offset + slot.numel].copy_(local_tensor(p).reshape(-1))
-        collectives.broadcast_from_first(full, [flat.replicate_group, flat.group])
+        collectives.broadcast_from_first(full, [flat.replicate_group, flat.group], flat.tag)
         return full[start:end].clone()
     shard = torch.zeros(flat.shard_numel, dtype=dtype, device=device)
     for slot, p in zip(flat.slots, originals, strict=True):

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_lite.core import collectives
+from fsdp_lite.core.accounting import Tag
 from fsdp_lite.core.dtensors import Layout
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ def total_norm(
     device: torch.device,
     group: collectives.ProcessGroup,
     whole: Sequence[torch.Tensor] = (),
+    tag: Tag | None = None,
 ) -> torch.Tensor:
     """The ``p``-norm of every rank's shard ``parts`` and of ``whole`` (gradients equal on
     every rank, counted once: ignored parameters'), an fp32 scalar on ``device``.
@@ -33,7 +35,7 @@ def total_norm(
     all-reduce per group, over ``group`` when there are none), then, for a piece of a
     DTensor parameter, over each dim of its mesh, weighted by ``1 / Layout.copies`` where
     the mesh replicates it. A NaN on any rank makes the result non-finite on every rank
-    (``all_reduce``'s max keeps it)."""
+    (``all_reduce``'s max keeps it). The all-reduces are issued under ``tag``."""
     inf = p == float("inf")
     op = "max" if inf else "sum"
     # (id(group), mesh) -> (group, layout, copies -> grads)
@@ -51,14 +53,14 @@ def total_norm(
     for keys in by_group.values():
         each = [_weighted(buckets[k][2], p, device) for k in keys]
         summed = torch.stack(each)
-        collectives.all_reduce(summed, buckets[keys[0]][0], op=op)
+        collectives.all_reduce(summed, buckets[keys[0]][0], op=op, tag=tag)
         for i, k in enumerate(keys):
             part = summed[i : i + 1]
             layout = buckets[k][1]
             if layout is not None:  # over the mesh that splits it too
                 part = part.clone()
                 for dim_group in layout.dim_groups():
-                    collectives.all_reduce(part, dim_group, op=op)
+                    collectives.all_reduce(part, dim_group, op=op, tag=tag)
             sums.append(part)
     if whole:
         sums.append(_local(list(whole), p, device).view(1))
@@ -107,7 +109,8 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
 def nonfinite_units(
     units: list[Unit], device: torch.device, group: collectives.ProcessGroup
 ) -> list[str]:
-    """Names of the units with a non-finite grad on any rank (collective)."""
+    """Names of the units with a non-finite grad on any rank (collective, issued under
+    the first unit's tag)."""
     flags = torch.tensor(
         [
             any(not bool(torch.isfinite(g).all()) for f in u.flat_params for g in f.grads())
@@ -116,5 +119,5 @@ def nonfinite_units(
         dtype=torch.float32,
         device=device,
     )
-    collectives.all_reduce(flags, group, op="max")
+    collectives.all_reduce(flags, group, op="max", tag=units[0].tag if units else None)
     return [u.name for u, bad in zip(units, flags.tolist(), strict=True) if bad]

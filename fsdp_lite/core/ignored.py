@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from fsdp_lite.core import collectives
+from fsdp_lite.core.accounting import Tag
 from fsdp_lite.core.optim_view import mark_replicated, replicated_ranks
 from fsdp_lite.core.tree import IGNORED_FLAG, is_sharded
 
@@ -173,6 +174,7 @@ def take(
     process_group: collectives.ProcessGroup,
     replicate_group: collectives.ProcessGroup | None,
     sync: bool,
+    tag: Tag,
 ) -> None:
     """Leave ``ignored`` unsharded in the outermost unit's tree: mark the modules and the
     parameters, move them (and the modules' buffers) to ``device`` keeping every object,
@@ -199,7 +201,7 @@ def take(
                     tensors.append(buf)
         if sync:
             for t in tensors:
-                collectives.broadcast_from_first(t, [replicate_group, process_group])
+                collectives.broadcast_from_first(t, [replicate_group, process_group], tag)
 
 
 def find(module: nn.Module) -> list[nn.Parameter]:
@@ -217,7 +219,7 @@ class Replicas:
         module: nn.Module,
         process_group: collectives.ProcessGroup,
         replicate_group: collectives.ProcessGroup | None,
-        name: str,
+        root: Tag,
     ) -> None:
         self.params = find(module)  # all of them (what clip_grad_norm_ counts)
         ddp = {
@@ -229,7 +231,8 @@ class Replicas:
         self.averaged = [p for p in self.params if id(p) not in ddp]
         self.groups = [g for g in (process_group, replicate_group) if g is not None]
         self.ranks = math.prod(collectives.world_size(g) for g in self.groups)
-        self.name = f"{name} (ignored parameters)"  # for accounting and the divergence check
+        # Their averaging's tag: named for the divergence check, counted in the root's ledger.
+        self.tag = Tag(f"{root.name} (ignored parameters)", root.ledger)
         self.hooks: list = []
 
     def grads(self) -> list[torch.Tensor]:
@@ -258,7 +261,7 @@ class Replicas:
         params = [p for p in self.averaged if p.requires_grad]
         if self.ranks == 1 or not params:
             return
-        differ = collectives.differ_across(params, self.groups, device, self.name)
+        differ = collectives.differ_across(params, self.groups, device, self.tag)
         if bool(differ.any()):
             index = int(differ.nonzero()[0, 0])
             raise ValueError(
@@ -278,12 +281,13 @@ class Replicas:
         grads = [p.grad for p in trainable if p.grad is not None]
         if not grads:
             return None
-        name = self.name
+        tag = self.tag
         if len(grads) < len(trainable):  # ranks that disagree on which raise (divergence.py)
             held = ",".join(str(i) for i, p in enumerate(trainable) if p.grad is not None)
             crc = zlib.crc32(held.encode())
-            name += f", {len(grads)} of {len(trainable)} with a gradient ({crc:08x})"
-        return Averaging(grads, self.groups, self.ranks, name)
+            name = f"{tag.name}, {len(grads)} of {len(trainable)} with a gradient ({crc:08x})"
+            tag = Tag(name, tag.ledger)
+        return Averaging(grads, self.groups, self.ranks, tag)
 
 
 def _arrived(arrived: Callable[[], None], param: torch.Tensor) -> None:
@@ -300,11 +304,11 @@ class Averaging:
         grads: list[torch.Tensor],
         groups: list[collectives.ProcessGroup],
         ranks: int,
-        name: str,
+        tag: Tag,
     ) -> None:
         self.groups = groups
         self.ranks = ranks
-        self.name = name
+        self.tag = tag
         by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:
             if g.layout is not torch.strided:
@@ -325,7 +329,7 @@ class Averaging:
     def _all_reduce(
         self, bucket: torch.Tensor, group: collectives.ProcessGroup
     ) -> collectives.Handle | None:
-        return collectives.all_reduce(bucket, group, kind=KIND, unit=self.name, async_op=True)
+        return collectives.all_reduce(bucket, group, kind=KIND, tag=self.tag, async_op=True)
 
     def finish(self) -> None:
         """Wait, reduce over the next group, divide, write the averages back."""

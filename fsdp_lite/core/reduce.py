@@ -69,7 +69,7 @@ def reduce_scatter(
             grad.div_(pre)
         out = torch.empty(flat.shard_numel, dtype=reduce_dtype, device=grad.device)
         work = collectives.reduce_scatter_flat(
-            out, grad, flat.reduce_group, unit=flat.unit_name, sizes=flat.rank_sizes
+            out, grad, flat.reduce_group, tag=flat.tag, sizes=flat.rank_sizes
         )
     return PendingGrad(flat, [work], out, ranks / pre)
 
@@ -101,7 +101,7 @@ def _reduce_widened(
             wide.copy_(columns[:, lo:hi])
             works.append(
                 collectives.reduce_scatter_flat(
-                    out[lo:hi], wide.view(-1), flat.reduce_group, unit=flat.unit_name
+                    out[lo:hi], wide.view(-1), flat.reduce_group, tag=flat.tag
                 )
             )
     return works
@@ -197,7 +197,7 @@ class PendingGrad:
             self.out.div_(self.divide_by)
             self.divide_by = 1
         self.replicated = collectives.all_reduce(
-            self.out, flat.replicate_group, kind="replicate_all_reduce", unit=flat.unit_name,
+            self.out, flat.replicate_group, kind="replicate_all_reduce", tag=flat.tag,
             async_op=True,
         )  # fmt: skip
 

@@ -91,15 +91,18 @@ class Root:
         units = [unit] + [u for m in unit.module.modules() if (u := unit_of(m)) is not None]
         for old in {id(u.root): u.root for u in units if u.root is not None}.values():
             old.release()  # units that ran under another root (a unit run directly first)
+        # The tree counts in the ledger of the unit it is made for (one FSDPModule call
+        # builds its units with one; units wrapped by hand each came with their own).
+        self.ledger = unit.tag.ledger
         names = {id(m): n for n, m in clean_named_modules(unit.module)}
         for u in units:
             path = names.get(id(unwrap(u.module)), "")
-            u.set_name(path or f"<root {type(u.module).__name__}>")
+            u.set_name(path or f"<root {type(u.module).__name__}>", self.ledger)
         for u in units:  # each raises on every rank alike; the next forward checks again
             check_at_first_forward(u, unit)
         # The ignored parameters of the tree, whose gradients this root averages (ignored.py).
         self.replicas = ignored.Replicas(
-            unit.module, unit.process_group, unit.replicate_group, unit.name
+            unit.module, unit.process_group, unit.replicate_group, unit.tag
         )
         self.replicas.check_agree(unit.device)
         # The reduce-scatters in flight, in issue order. Widened gradients are reduced on a
@@ -114,8 +117,8 @@ class Root:
         # Where the tree's shards live, each home once (units may share one).
         self.homes = list({id(f.home): f.home for u in units for f in u.flat_params}.values())
         self.prefetch = unit.prefetch  # the root's policy applies to the whole tree
-        self.forward_order: schedule.ExecOrder[Unit] = schedule.ExecOrder("forward")
-        self.backward_order: schedule.ExecOrder[Unit] = schedule.ExecOrder("backward")
+        self.forward_order: schedule.ExecOrder[Unit] = schedule.ExecOrder("forward", self.ledger)
+        self.backward_order: schedule.ExecOrder[Unit] = schedule.ExecOrder("backward", self.ledger)
         self.schedule = self._build_schedule()
         self.prefetched: set[Unit] = set()  # gathered ahead, not yet run
         self.callback_queued = False  # the end-of-backward callback of this backward
@@ -180,7 +183,7 @@ class Root:
             if unit.start_forward():  # frozen or unfrozen since
                 unit.frozen_early = _frees_frozen_early(unit, self.units)
             if unit.is_root:
-                divergence.start_iteration(unit.name, unit.process_group, unit.device)
+                divergence.start_iteration(unit.tag, unit.process_group, unit.device)
                 self.forward_order.start()
             with accounting.region("fsdp_lite::unshard"):
                 self._unshard(unit, backward=False)

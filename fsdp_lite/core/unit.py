@@ -109,6 +109,7 @@ class Unit:
         prefetch: PrefetchPolicy | None,
         reshard_after_forward: bool | None,
         home: DeviceHome,
+        ledger: accounting.Ledger,
         fp32_masters: bool = True,
     ) -> None:
         self.module = module  # the user's module: the hooks live on it
@@ -135,13 +136,19 @@ class Unit:
         self.root: TreeRoot | None = None
         self.is_root = False  # the unit its root was made for
         self.in_flight: InFlight | None = None  # its root's queue of reduce-scatters
-        self.name = type(module).__name__  # the module path, from the root's making on
+        # Its name (the module path, from the root's making on) and its tree's ledger, on
+        # every collective it issues.
+        self.tag = accounting.Tag(type(module).__name__, ledger)
         self.frozen_early = False  # frozen flat params freed in backward (see Note)
         self.watches: weakref.WeakSet = weakref.WeakSet()  # forward calls awaiting input grads
         self.grads_pending: set[int] = set()  # id of trainable flats not reduced this backward
         self.replicas_synced = False  # hybrid: sync_module_states broadcast rank 0's values
         # Built on meta by a param_init_fn: its first forward refuses storage no init wrote.
         self.check_init = False
+
+    @property
+    def name(self) -> str:
+        return self.tag.name
 
     def own(self, flats: list[FlatParam]) -> None:
         """Its flat params; each one's complete gradient calls ``post_backward``."""
@@ -158,11 +165,12 @@ class Unit:
         self.root, self.is_root = root, is_root
         self.in_flight = root.in_flight if root is not None else None
 
-    def set_name(self, name: str) -> None:
-        """Its path in the root's tree (the root names every unit when it is made)."""
-        self.name = name
+    def set_name(self, name: str, ledger: accounting.Ledger) -> None:
+        """Its path in the root's tree, and the root's ledger (the root names every unit
+        when it is made)."""
+        self.tag = accounting.Tag(name, ledger)
         for flat in self.flat_params:
-            flat.name_unit(name, id(self))
+            flat.name_unit(self.tag, id(self))
 
     def average_grads_over(self, ranks: int) -> None:
         """Its gradients are averaged over ``ranks`` data-parallel ranks (the root says how

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_lite
+from fsdp_lite.core.tree import units_of
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.models import Block
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
-from fsdp_lite.core.tree import units_of
 from tests.dist.cases import (
     assert_close_loss,
     frozen_gpt,
@@ -59,7 +59,7 @@ def _accumulate(
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     counts = []
     for step in range(STEPS):
-        fsdp_lite.reset_stats()
+        fsdp_lite.reset_stats(model)
         got = want = 0.0
         for i in range(MICRO):
             if between is not None and i > 0:
@@ -75,7 +75,7 @@ def _accumulate(
             mine = gpt_loss(model, local_part(batch, rank, world)) / MICRO
             mine.backward()
             got += mean_over_ranks(mine)
-        collectives = fsdp_lite.stats()["collectives"]
+        collectives = fsdp_lite.stats(model)["collectives"]
         counts.append((collectives["all_gather"]["calls"], collectives["reduce_scatter"]["calls"]))
         for o in (ref_opt, opt):
             o.step()

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import fsdp_lite
-from fsdp_lite.testing import run_distributed
 from fsdp_lite.core.tree import units_of
+from fsdp_lite.testing import run_distributed
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -51,7 +51,7 @@ def _dtype_table(rank: int, world: int) -> None:
         model = fsdp_lite.FSDPModule(
             probe, auto_wrap_policy=fsdp_lite.wrap.by_type(nn.Sequential), mixed_precision=mp
         )
-        fsdp_lite.reset_stats()
+        fsdp_lite.reset_stats(model)
         model(torch.randn(4, 5)).float().square().mean().backward()
         want_reduce = reduce_dtype or param_dtype
         norm_dtype = f32  # BatchNorm is in fp32_module_types by default
@@ -63,7 +63,7 @@ def _dtype_table(rank: int, world: int) -> None:
             "scale": buffer_dtype or f32,
             "bn_output": param_dtype,
         }, (mp, probe.seen)
-        stats = fsdp_lite.stats()["collectives"]
+        stats = fsdp_lite.stats(model)["collectives"]
         if world > 1:
             name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
             assert set(stats["reduce_scatter"]["dtypes"]) == {name(want_reduce)}, (mp, stats)
@@ -101,12 +101,12 @@ def _widened_in_pieces(rank: int, world: int) -> None:
         try:
             torch.manual_seed(0)
             model = wrap_blocks(gpt(), mixed_precision=mp)
-            fsdp_lite.reset_stats()
+            fsdp_lite.reset_stats(model)
             mine = slice(rank * B_PER_RANK, (rank + 1) * B_PER_RANK)
             for step in range(2):
                 x, y = token_batch(world, step)
                 model(x[mine], y[mine])[1].backward()
-            calls[piece_bytes] = fsdp_lite.stats()["collectives"]["reduce_scatter"]["calls"]
+            calls[piece_bytes] = fsdp_lite.stats(model)["collectives"]["reduce_scatter"]["calls"]
             grads[piece_bytes] = [p.grad.clone() for p in model.parameters()]
             if piece_bytes == 4096:
                 wrap = functools.partial(wrap_blocks, mixed_precision=mp)

@@ -79,8 +79,8 @@ def _same_state_dict(what: str, got: dict, want: dict) -> None:
     agree(what, check)
 
 
-def _full_bytes_now() -> int:
-    return fsdp_lite.stats()["full_bytes_now"]
+def _full_bytes_now(model) -> int:
+    return fsdp_lite.stats(model)["full_bytes_now"]
 
 
 def _at(steps: tuple[int, ...], fn):
@@ -99,7 +99,7 @@ def _at(steps: tuple[int, ...], fn):
 def _eval_no_grad_forward(model, ref, step: int) -> None:
     """eval() + no_grad(): the wrapper's logits are the reference's; nothing stays gathered."""
     x = local_tokens(step)
-    before = _full_bytes_now()
+    before = _full_bytes_now(model)
     model.eval()
     ref.eval()
     with torch.no_grad():
@@ -107,7 +107,7 @@ def _eval_no_grad_forward(model, ref, step: int) -> None:
     model.train()
     ref.train()
     _close("eval no_grad logits", got, want)
-    after = _full_bytes_now()
+    after = _full_bytes_now(model)
     agree("full params freed", lambda: _equal(after, before, "gathered bytes after the forward"))
 
 
@@ -229,9 +229,9 @@ def _backward_gathered_units(make_model) -> int:
     model = wrap_layers(make_model())
     for _ in range(2):
         loss = hf_loss(model, (local_tokens(0), local_tokens(0)))
-        fsdp_lite.reset_stats()  # live allocations carry over: the peak starts from now
+        fsdp_lite.reset_stats(model)  # live allocations carry over: the peak starts from now
         loss.backward()
-    return fsdp_lite.stats()["unsharded_units_peak"]
+    return fsdp_lite.stats(model)["unsharded_units_peak"]
 
 
 def _frozen_base_frees_like_full(checkpointing: bool) -> None:

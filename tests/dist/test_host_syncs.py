@@ -9,7 +9,7 @@ per block), counted in every workflow users run, after three warm-up steps:
 - two micro-batches without ``no_sync``, then clip and step;
 - greedy decoding: ``no_grad`` forwards of a growing sequence (``generate()``'s loop);
 - two wrapped models (whole params) trained in alternation in one process;
-- each of the above with ``fsdp_lite.stats()`` read every step.
+- each of the above with ``fsdp_lite.stats(model)`` read every step.
 
 Operations on the process group's store (the divergence check's rendezvous) are counted
 beside them: none may happen either.
@@ -105,16 +105,18 @@ def counting_store_ops(seen: Counter) -> Iterator[None]:
         collectives.store = original
 
 
-def _syncs_per_step(step: Callable[[int, HostSyncs], None], read_stats: bool) -> Counter:
+def _syncs_per_step(step: Callable[[int, HostSyncs], None], read_stats: list) -> Counter:
+    """Host syncs in each counted step; ``read_stats``: models whose stats are read and
+    reset after every step."""
     seen: Counter[str] = Counter()
     for i in range(WARMUP + COUNTED):
         mode = HostSyncs()
         with counting_cuda_waits(mode.seen), counting_store_ops(mode.seen):
             step(i, mode)
-            if read_stats:
-                with mode:
-                    fsdp_lite.stats()
-                    fsdp_lite.reset_stats()
+            with mode:
+                for model in read_stats:
+                    fsdp_lite.stats(model)
+                    fsdp_lite.reset_stats(model)
         if i >= WARMUP:
             seen.update(mode.seen)
     return seen
@@ -199,7 +201,7 @@ def _case(workflow: Callable, read_stats: bool) -> Callable[[], None]:
     def case() -> None:
         model, opt, batches = _setup()
         step = functools.partial(workflow, model, opt, batches)
-        _expect_none(_syncs_per_step(step, read_stats))
+        _expect_none(_syncs_per_step(step, [model] if read_stats else []))
 
     return case
 
@@ -221,7 +223,7 @@ def _two_models_case(read_stats: bool) -> Callable[[], None]:
             for model, opt in pairs:
                 _train_clip(model, opt, batches, i, mode)
 
-        _expect_none(_syncs_per_step(step, read_stats))
+        _expect_none(_syncs_per_step(step, [m for m, _ in pairs] if read_stats else []))
 
     return case
 

@@ -64,9 +64,9 @@ def _observed_collectives(rank: int, world: int, groups) -> None:
         trainable = sum(f.requires_grad for u in units_of(model) for f in u.flat_params)
         x, y = (t.chunk(world)[rank] for t in token_batch(world, 0))
         for _ in range(2):
-            fsdp_lite.reset_stats()
+            fsdp_lite.reset_stats(model)
             model(x, y)[1].backward()
-            stats = fsdp_lite.stats()["collectives"]
+            stats = fsdp_lite.stats(model)["collectives"]
             assert stats["replicate_all_reduce"]["calls"] == trainable, stats
             assert stats["reduce_scatter"]["calls"] == trainable, stats
     finally:

@@ -146,7 +146,7 @@ MUTATIONS: dict[str, Mutation] = {
     "no division": functools.partial(scaled_reduce, lambda w: float(w)),
     "double division": functools.partial(scaled_reduce, lambda w: 1.0 / w),
     "unit blocks.1 dropped": functools.partial(
-        patched_accumulate, lambda f: (f.unit_name or "").endswith("blocks.1"), False
+        patched_accumulate, lambda f: (f.tag.name or "").endswith("blocks.1"), False
     ),
     "frozen mix: trainable flat not reduced": functools.partial(
         patched_reduce, _skip_reduce, lambda f: id(f) in _MIXED

@@ -27,8 +27,8 @@ from torch.distributed.pipelining import (
 )
 
 import fsdp_lite
-from fsdp_lite.core.tree import units_of
 from fsdp_lite.addons.pipelining import PipelineStage, check_schedule
+from fsdp_lite.core.tree import units_of
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
 
@@ -106,13 +106,13 @@ def _train(schedule_cls, stages_per_rank: int, **wrap_kw) -> None:
         ref_opt.step()
         ref_opt.zero_grad()
         xs, ys = x.chunk(dp_size)[dp.get_local_rank()], y.chunk(dp_size)[dp.get_local_rank()]
-        fsdp_lite.reset_stats()
+        fsdp_lite.reset_stats(nn.ModuleList(modules))
         losses: list[torch.Tensor] = []
         if pp_rank == 0:
             schedule.step(xs, target=ys, losses=losses)
         else:
             schedule.step(target=ys, losses=losses)
-        calls = fsdp_lite.stats()["collectives"]
+        calls = fsdp_lite.stats(nn.ModuleList(modules))["collectives"]
         gathers, reduces = calls["all_gather"]["calls"], calls["reduce_scatter"]["calls"]
         # The first step also runs torch's metadata inference (a forward and backward)
         if step > 0 and (gathers, reduces) != (sum(flats), sum(flats)):

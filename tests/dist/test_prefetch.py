@@ -43,11 +43,11 @@ def _log_collectives(log: list) -> None:
     gather, reduce = collectives.all_gather_flat, collectives.reduce_scatter_flat
 
     def logged_gather(output, shard, group, **kw):
-        log.append(("AG", kw.get("unit")))
+        log.append(("AG", kw["tag"].name))
         return gather(output, shard, group, **kw)
 
     def logged_reduce(output, full, group, **kw):
-        log.append(("RS", kw.get("unit")))
+        log.append(("RS", kw["tag"].name))
         return reduce(output, full, group, **kw)
 
     collectives.all_gather_flat, collectives.reduce_scatter_flat = logged_gather, logged_reduce
@@ -127,9 +127,9 @@ def _check_order_recorded_again_after_a_different_first_pass() -> None:
     changes = []
     for _ in range(3):
         log.clear()
-        fsdp_lite.reset_stats()
+        fsdp_lite.reset_stats(model)
         model(x, y)[1].backward()
-        changes.append(fsdp_lite.stats()["order_changes"])
+        changes.append(fsdp_lite.stats(model)["order_changes"])
     assert changes == [{"forward": 1, "backward": 1}, {}, {}], changes
     got = [f"{op} {unit}" for op, unit in log]
     swapped = {B0: B1, B1: B0}  # units are named where they were at the first forward
@@ -182,10 +182,10 @@ def _check_in_flight_bound() -> None:
             model = wrap_blocks(make(), prefetch=PrefetchPolicy(max_in_flight=limit))
             x = torch.randn(2, 16, 32) if make is Blocks else token_batch(1, 0)[0]
             for _ in range(3):
-                fsdp_lite.reset_stats()
+                fsdp_lite.reset_stats(model)
                 out = model(x)
                 (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
-                peak = fsdp_lite.stats()["unsharded_units_peak"]
+                peak = fsdp_lite.stats(model)["unsharded_units_peak"]
                 assert peak <= limit + enclosing, (make, limit, peak)
             assert peak == min(limit, 4) + enclosing, (make, limit, peak)  # prefetch happened
 

@@ -422,11 +422,11 @@ def _steady_state() -> None:
         step()
         opt.step()
         opt.zero_grad()
-    fsdp_lite.reset_stats()
+    fsdp_lite.reset_stats(model)
     with HostSyncs() as syncs:
         step()
     assert not syncs.seen, f"host syncs in a TP step: {dict(syncs.seen)}"
-    calls = fsdp_lite.stats()["collectives"]
+    calls = fsdp_lite.stats(model)["collectives"]
     flats = [f for u in units_of(model) for f in u.flat_params]
     assert set(calls) == {"all_gather", "reduce_scatter", "all_reduce"}, set(calls)
     full = sum(f.padded_numel * 4 for f in flats)  # fp32: the local full buffers

@@ -3,7 +3,8 @@ models unwrapped on one process over the global batch, losses step by step and p
 at the end:
 
 - distillation: a frozen teacher's logits (``no_grad``) in a student's loss, both wrapped,
-  on the same process group;
+  on the same process group; ``fsdp_lite.stats`` counts each model's collectives apart
+  (the teacher's gathers, the student's gathers and reduce-scatters), and of both together;
 - RL fine-tuning: a policy and a reference model both trained, in alternation, the
   reference on a process group of its own and with whole-parameter shards; wrapping it
   leaves the policy's shard layout as it was.
@@ -16,7 +17,9 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
+import fsdp_lite
 from fsdp_lite.core.tree import units_of
 from fsdp_lite.testing import run_distributed
 from fsdp_lite.testing.subtests import assert_subtests_passed, run_subtests
@@ -60,14 +63,43 @@ def _distillation() -> None:
     ref_opt = torch.optim.AdamW(ref_student.parameters(), lr=1e-3)
     for step in range(STEPS):
         batch = token_batch(world, step)
+        for m in (teacher, student):
+            fsdp_lite.reset_stats(m)
         want = _distill_loss(ref_student, ref_teacher, batch)
         got = _distill_loss(student, teacher, local_part(batch, rank, world))
         want.backward(), got.backward()
         assert_close_loss(f"step {step} loss", mean_over_ranks(got), want.item(), 1e-5)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
+        if step > 0:  # the first step also runs the divergence check in lockstep
+            _counted_apart(teacher, student)
     _same_params(student, ref_student, "student")
     _same_params(teacher, ref_teacher, "teacher")
+
+
+def _counted_apart(teacher: nn.Module, student: nn.Module) -> None:
+    """One distillation step as each model's stats count it: the teacher gathered each of
+    its flat params once (no_grad forward) and reduced nothing; the student gathered and
+    reduce-scattered each of its own; both together add up."""
+
+    def flats(model):
+        return [f for u in units_of(model) for f in u.flat_params]
+
+    def calls(stats, op):
+        return stats["collectives"].get(op, {}).get("calls", 0)
+
+    t, s = fsdp_lite.stats(teacher), fsdp_lite.stats(student)
+    both = fsdp_lite.stats(nn.ModuleList([teacher, student]))
+    t_flats, s_flats = flats(teacher), flats(student)
+    assert calls(t, "all_gather") == len(t_flats), t["collectives"]
+    assert calls(t, "reduce_scatter") == 0, t["collectives"]
+    assert t["collectives"]["all_gather"]["bytes"] == sum(f.padded_numel * 4 for f in t_flats)
+    assert calls(s, "reduce_scatter") == len(s_flats), s["collectives"]
+    assert calls(s, "all_gather") >= len(s_flats), s["collectives"]
+    for op in ("all_gather", "reduce_scatter"):
+        assert calls(both, op) == calls(t, op) + calls(s, op), (op, both["collectives"])
+    assert t["full_bytes_now"] == s["full_bytes_now"] == 0, (t, s)
+    assert t["full_bytes_peak"] > 0 and s["full_bytes_peak"] > 0, (t, s)
 
 
 def _policy_and_reference() -> None:

@@ -320,9 +320,9 @@ def layout_figures(world: int, n_layer: int = 8) -> dict:
     for kw in ({}, {"optimizer_params": "whole"}):
         model = wrap_blocks(gpt(n_layer=n_layer, tie_weights=False), **kw)
         x, y = token_batch(1, 0)
-        fsdp_lite.reset_stats()
+        fsdp_lite.reset_stats(model)
         model(x, y)[1].backward()
-        ops = fsdp_lite.stats()["collectives"]
+        ops = fsdp_lite.stats(model)["collectives"]
         flats = [f for u in units_of(model) for f in u.flat_params]
         owned = [
             sum((f.bounds[r + 1] - f.bounds[r]) * f.shard.element_size() for f in flats)

@@ -51,7 +51,7 @@ class _FailingWork:
 def test_a_failed_wait_keeps_the_works_buffers() -> None:
     buffer = torch.empty(4)
     alive = weakref.ref(buffer)
-    handle = collectives.Handle(_FailingWork(buffer), "unit", torch.device("cpu"))
+    handle = collectives.Handle(_FailingWork(buffer), None, torch.device("cpu"))
     del buffer
     with pytest.raises(RuntimeError, match="boom"):
         handle.wait()

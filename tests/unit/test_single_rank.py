@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
 import fsdp_lite
+from fsdp_lite.core.tree import units_of
 from fsdp_lite.testing import GPT, GPTConfig
 from fsdp_lite.testing.models import Block
 
@@ -19,14 +21,14 @@ def test_world_size_one_matches_plain_module_without_communication(world1) -> No
     model = fsdp_lite.FSDPModule(copy.deepcopy(ref), auto_wrap_policy=fsdp_lite.wrap.by_type(Block))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    fsdp_lite.reset_stats()
+    fsdp_lite.reset_stats(model)
     for step in range(3):
         x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
         for m, o in ((ref, ref_opt), (model, opt)):
             m(x, x)[1].backward()
             o.step()
             o.zero_grad()
-    assert fsdp_lite.stats()["collectives"] == {}
+    assert fsdp_lite.stats(model)["collectives"] == {}
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
 
@@ -99,3 +101,23 @@ def test_size_policy_never_wraps_containers(world1) -> None:
     assert not isinstance(model.module.blocks, fsdp_lite.FSDPModule)
     x = torch.randint(0, 64, (2, 16))
     model(x, x)[1].backward()
+
+
+def test_stats_are_per_model(world1) -> None:
+    """Units wrapped by hand count in their root's ledger from its first forward on; a
+    second model counts apart; a module with no unit is refused, saying what to pass."""
+    torch.manual_seed(0)
+    inner = fsdp_lite.FSDPModule(nn.Linear(8, 8))
+    model = fsdp_lite.FSDPModule(nn.Sequential(inner, nn.ReLU(), nn.Linear(8, 2)))
+    other = fsdp_lite.FSDPModule(nn.Linear(8, 2))
+    assert units_of(inner)[0].tag.ledger is not units_of(model)[0].tag.ledger
+    for m in (model, other):
+        fsdp_lite.reset_stats(m)
+    model(torch.randn(4, 8)).sum().backward()
+    assert len({id(u.tag.ledger) for u in units_of(model)}) == 1
+    # Both units held full parameters at once in forward (the root keeps its own).
+    assert fsdp_lite.stats(model)["unsharded_units_peak"] == 2
+    assert fsdp_lite.stats(model)["full_bytes_now"] == 0
+    assert fsdp_lite.stats(other)["full_bytes_peak"] == 0
+    with pytest.raises(ValueError, match="holds no FSDPModule: pass the wrapped model"):
+        fsdp_lite.stats(nn.Linear(2, 2))
