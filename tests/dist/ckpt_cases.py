@@ -12,8 +12,8 @@ from cases import token_batch
 from torch import nn
 
 import fsdp_lite
-from fsdp_lite.testing.models import Block
 from fsdp_lite.core.tree import unit_of
+from fsdp_lite.testing.models import Block
 
 GLOBAL_ROWS = 6  # divisible by W = 1, 2, 3: the same global batch at every world size
 LR, NORM_LR, WD = 1e-3, 2e-3, 0.1

@@ -56,7 +56,7 @@ def _pair(make: Callable[[], nn.Module], wrap: Callable[[nn.Module], nn.Module],
 
 def _same_params(model: nn.Module, ref: nn.Module, atol: float = 1e-5) -> None:
     got, want = model.state_dict(), ref.state_dict()
-    for name, p in ref.named_parameters():
+    for name, _ in ref.named_parameters():
         diff = (got[name].float() - want[name].float()).abs().max().item()
         if diff > atol:
             raise AssertionError(f"parameter {name} differs from the reference by {diff:.3g}")
@@ -195,8 +195,9 @@ def _freeze_after_wrapping() -> None:
         for step, frozen in enumerate((False, True, True, False, False)):
             for block in blocks:
                 block.requires_grad_(not frozen)
-            for m, o, batch in ((ref, ref_opt, token_batch(world, step)),
-                                (model, opt, local_part(token_batch(world, step), rank, world))):  # fmt: skip
+            whole = token_batch(world, step)
+            for m, o, batch in ((ref, ref_opt, whole),
+                                (model, opt, local_part(whole, rank, world))):  # fmt: skip
                 loss = gpt_loss(m, batch)
                 loss.backward()
                 o.step()

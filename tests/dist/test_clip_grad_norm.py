@@ -104,10 +104,10 @@ def _offload_copies_per_clip() -> None:
         model, ref = _backward(
             functools.partial(gpt, n_layer=n_layer), offload=fsdp_lite.CPUOffload()
         )
-        calls = []
+        calls: list = []
         real = torch.Tensor.to
 
-        def counted(self, *args, **kwargs):
+        def counted(self, *args, calls=calls, real=real, **kwargs):
             calls.append(args)
             return real(self, *args, **kwargs)
 

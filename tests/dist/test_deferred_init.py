@@ -17,10 +17,10 @@ from torch import nn
 from torch._C._profiler import _EventType
 
 import fsdp_lite
+from fsdp_lite.core.tree import units_of
 from fsdp_lite.testing import GPTConfig, run_distributed
 from fsdp_lite.testing.models import GPT
 from fsdp_lite.testing.reference import compare_training
-from fsdp_lite.core.tree import units_of
 
 
 def _meta(make, seed: int):

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_lite
-from fsdp_lite.testing import run_distributed
 from fsdp_lite.core import reduce
 from fsdp_lite.core.tree import units_of
+from fsdp_lite.testing import run_distributed
 
 TINY = 2**-24  # fp16's smallest subnormal
 

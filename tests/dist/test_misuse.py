@@ -43,9 +43,12 @@ def _net_blocks_wrapped() -> Net:
 def _only_blocks_wrapped() -> None:
     net = _net_blocks_wrapped()
     before = {k: v.clone() for k, v in net.embed.state_dict().items()}
-    with pytest.raises(RuntimeError, match=r"inputs of the root unit '<root Linear>' were "
-                       r"computed from 2 trainable parameter\(s\) of no fsdp_lite unit "
-                       r"\(shapes \(16, 8\), \(16,\)\).*2 ranks.*Wrap the whole model"):  # fmt: skip
+    want = (
+        r"inputs of the root unit '<root Linear>' were computed from 2 trainable "
+        r"parameter\(s\) of no fsdp_lite unit \(shapes \(16, 8\), \(16,\)\).*2 ranks.*"
+        r"Wrap the whole model"
+    )
+    with pytest.raises(RuntimeError, match=want):
         net(torch.randn(4, 8))
     assert all(torch.equal(v, net.embed.state_dict()[k]) for k, v in before.items())
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import fsdp_lite
+from fsdp_lite.addons.state_dict import full_grads
 from fsdp_lite.core import collectives
 from fsdp_lite.core.collectives import DivergenceError, PeerError
-from fsdp_lite.addons.state_dict import full_grads
 from fsdp_lite.testing import DistributedTestError, run_distributed
 
 

@@ -25,8 +25,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._pytree import tree_flatten
 
 import fsdp_lite
-from fsdp_lite.testing import run_distributed
 from fsdp_lite.core.tree import units_of
+from fsdp_lite.testing import run_distributed
 
 CPU = torch.device("cpu")
 SLACK = 16 * 1024  # small objects: views, shape lists, 0-dim step tensors

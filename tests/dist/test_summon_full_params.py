@@ -14,8 +14,8 @@ from cases import cross_tied_gpt, gpt, token_batch, wrap_blocks
 from ckpt_cases import assert_state_dicts
 
 from fsdp_lite import FSDPStateError, MixedPrecision, TrainingState
-from fsdp_lite.testing import run_distributed
 from fsdp_lite.core.tree import units_of
+from fsdp_lite.testing import run_distributed
 
 
 def _clean(name: str) -> str:

@@ -49,8 +49,12 @@ def one_adamw(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
 
 # tag -> (layout saved at W=2, layout loaded at W=3, optimizers, how it is restored)
 CASES = {
-    "muon whole->whole": ({"optimizer_params": "whole"}, {"optimizer_params": "whole"}, muon_and_adamw, "ckpt"),
-    "decay whole->orig": ({"optimizer_params": "whole"}, {"use_orig_params": True}, decay_groups, "ckpt"),
+    "muon whole->whole": (
+        {"optimizer_params": "whole"}, {"optimizer_params": "whole"}, muon_and_adamw, "ckpt",
+    ),
+    "decay whole->orig": (
+        {"optimizer_params": "whole"}, {"use_orig_params": True}, decay_groups, "ckpt",
+    ),
     "decay whole->orig, full dicts": (
         {"optimizer_params": "whole"}, {"use_orig_params": True}, decay_groups, "full",
     ),
