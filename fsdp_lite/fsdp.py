@@ -678,8 +678,13 @@ def _child(options: _Options, plan: _TreePlan, module: nn.Module, defer: set[int
     return unit
 
 
-def _ledgers(module: nn.Module, doing: str) -> list[accounting.Ledger]:
+def _ledgers(module: nn.Module | None, doing: str) -> list[accounting.Ledger]:
     """The ledgers of the trees of units in ``module``, each once."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"fsdp_lite.{doing} takes the wrapped model, fsdp_lite.{doing}(model), got "
+            f"{module!r}: each model keeps its own figures"
+        )
     units = units_of(module)
     if not units:
         raise ValueError(
@@ -690,7 +695,7 @@ def _ledgers(module: nn.Module, doing: str) -> list[accounting.Ledger]:
     return list({id(u.tag.ledger): u.tag.ledger for u in units}.values())
 
 
-def stats(module: nn.Module, wait: bool = False) -> dict[str, Any]:
+def stats(module: nn.Module | None = None, wait: bool = False) -> dict[str, Any]:
     """What the wrapped model ``module`` did on this rank since the last
     :func:`reset_stats` of it. Each model counts apart: two wrapped models in one process
     (teacher and student) do not add into each other's figures.
@@ -724,7 +729,7 @@ def stats(module: nn.Module, wait: bool = False) -> dict[str, Any]:
     return accounting.read(_ledgers(module, "stats"), wait)
 
 
-def reset_stats(module: nn.Module, wait: bool = False) -> None:
+def reset_stats(module: nn.Module | None = None, wait: bool = False) -> None:
     """Start a new accounting period of ``module`` (e.g. a step); live allocations, and
     CUDA waits the device has not reached yet (unless ``wait``, see :func:`stats`), carry
     over."""

@@ -121,3 +121,5 @@ def test_stats_are_per_model(world1) -> None:
     assert fsdp_lite.stats(other)["full_bytes_peak"] == 0
     with pytest.raises(ValueError, match="holds no FSDPModule: pass the wrapped model"):
         fsdp_lite.stats(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"takes the wrapped model, fsdp_lite.reset_stats\(model\)"):
+        fsdp_lite.reset_stats()
