@@ -114,9 +114,10 @@ class Handle:
         # Referenced until the wait returns: if it raises while the collective is still in
         # flight, the buffers the work writes must not be freed under it.
         self.pending_work, self.work = work, None
-        if self.device.type == "cuda" and not exposed:
+        ledger = self.tag.ledger if self.tag is not None else None
+        if self.device.type == "cuda" and (not exposed or ledger is None):
             with _peer_errors("waiting for a collective", self.tag, self.group):
-                work.wait()
+                work.wait()  # nothing to time: no compute held up, or nobody counting
         elif self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)  # the one work.wait() holds
             start = torch.cuda.Event(enable_timing=True)
@@ -125,14 +126,13 @@ class Handle:
             with _peer_errors("waiting for a collective", self.tag, self.group):
                 work.wait()
             end.record(stream)
-            if self.tag is not None and self.tag.ledger is not None:
-                self.tag.ledger.cuda_wait(self.tag.name, start, end)
+            ledger.cuda_wait(self.tag.name, start, end)
         else:
             t0 = time.perf_counter()
             with _peer_errors("waiting for a collective", self.tag, self.group):
                 _wait_watching_for_divergence(work, self.group)
-            if self.tag is not None and self.tag.ledger is not None:
-                self.tag.ledger.wait(self.tag.name, time.perf_counter() - t0)
+            if ledger is not None:
+                ledger.wait(self.tag.name, time.perf_counter() - t0)
         self.pending_work = None
         after, self.after = self.after, None  # it may hold the collective's buffers
         if after is not None:
