@@ -90,9 +90,8 @@ def _grads_to_gather(flats: list[FlatParam]) -> list[torch.Tensor | None]:
     small all-reduce per group decides)."""
     local = [flat.grad_as_shard() for flat in flats]
     has = torch.tensor([g is not None for g in local], dtype=torch.float32)
-    for group in {id(f.group): f.group for f in flats}.values():
-        tag = next(f.tag for f in flats if f.group is group)
-        collectives.all_reduce(has, group, op="max", kind="summon_grads", tag=tag)
+    for flat in {id(f.group): f for f in flats}.values():  # one per group, under its tag
+        collectives.all_reduce(has, flat.group, op="max", kind="summon_grads", tag=flat.tag)
     return [
         None if not h else (g if g is not None else torch.zeros_like(flat.shard.detach()))
         for flat, g, h in zip(flats, local, has.tolist(), strict=True)

@@ -136,15 +136,11 @@ class Ledger:
 @dataclass(frozen=True, eq=False)
 class Tag:
     """Who issues a collective: a unit's name (for the per-unit figures and for messages)
-    and the ledger of its tree, which counts it. ``ledger=None``: counted nowhere (a
-    collective no model issues, e.g. ``ShardedGradScaler``'s)."""
+    and the ledger of its tree, which counts it. A collective issued with no tag (one no
+    model issues, e.g. ``ShardedGradScaler``'s) is counted nowhere."""
 
-    name: str | None
-    ledger: Ledger | None = None
-
-    def collective(self, op: str, tensor: torch.Tensor) -> None:
-        if self.ledger is not None:
-            self.ledger.collective(op, tensor, self.name)
+    name: str
+    ledger: Ledger
 
 
 def region(name: str) -> contextlib.AbstractContextManager:

@@ -66,7 +66,7 @@ def _peer_errors(op: str, tag: Tag | None, group: ProcessGroup | None = None) ->
     except RuntimeError as e:
         if not _is_peer_failure(e):
             raise
-        what = f"{op} of unit '{tag.name}'" if tag is not None and tag.name else op
+        what = f"{op} of unit '{tag.name}'" if tag is not None else op
         # The error path only: a peer that turned off the agreed iterations left its entry
         # in the store (the divergence check's post-mortem, see Note).
         check = group_state(group).check if group is not None else None
@@ -341,7 +341,7 @@ def _begin(
     if check is not None:
         check.before(op, tag, tensor, group)
     if tag is not None:
-        tag.collective(kind or op, tensor)
+        tag.ledger.collective(kind or op, tensor, tag.name)
     return comm_device(group, near)
 
 
@@ -623,7 +623,7 @@ def gather_ints(
     itself issued as is (not checked) and counted in ``tag``'s ledger."""
     everyone = torch.empty(world_size(group) * mine.numel(), dtype=mine.dtype, device=mine.device)
     if tag is not None:
-        tag.collective("divergence_check", everyone)
+        tag.ledger.collective("divergence_check", everyone, tag.name)
     with _peer_errors(what, tag):
         _all_gather_flat(everyone, mine, group=group)
     return everyone

@@ -108,7 +108,7 @@ class _Check:
     def before(self, op: str, tag: Tag | None, tensor: torch.Tensor, group: ProcessGroup) -> None:
         if _SETTINGS.mode == "off" or not self.peers:
             return
-        entry = (op, (tag.name if tag is not None else None) or "-", tensor.numel())
+        entry = (op, tag.name if tag is not None else "-", tensor.numel())
         position = len(self.log)
         self.log.append(entry)
         known = self.at.next.get(entry)

@@ -81,12 +81,12 @@ class FlatParam:
         sync: bool = False,
         owners: list[int] | None = None,
         fp32_masters: bool = True,
-        tag: accounting.Tag | None = None,
-        unit_key: int = 0,
+        tag: accounting.Tag,
+        unit_key: int,
     ) -> None:
         self.slots = slots
         # The owning unit's tag (its name and its tree's ledger: ``name_unit``) and identity.
-        self.tag = tag if tag is not None else accounting.Tag(None)
+        self.tag = tag
         self.unit_key = unit_key
         self.group = group
         # Where gradients are reduce-scattered: ``group``, or a second group over the same
@@ -244,8 +244,7 @@ class FlatParam:
                 self.wait_unshard()
             return
         self._allocate_full()
-        if self.tag.ledger is not None:
-            self.tag.ledger.full_allocated(id(self), self.unit_key, self.full_nbytes)
+        self.tag.ledger.full_allocated(id(self), self.unit_key, self.full_nbytes)
         with torch.no_grad():
             send = self.home.shard_for_gather(self.shard).to(self.compute_dtype)
             self._gather = collectives.all_gather_flat(
@@ -272,8 +271,7 @@ class FlatParam:
             self.use_placeholders()
 
     def _ledger_freed(self) -> None:
-        if self.tag.ledger is not None:
-            self.tag.ledger.full_freed(id(self), self.unit_key)
+        self.tag.ledger.full_freed(id(self), self.unit_key)
 
     def gather_fp32(self, source: torch.Tensor | None = None) -> torch.Tensor:
         """A new unpadded full copy of ``source`` (default: the master shard) from every rank.
@@ -336,7 +334,7 @@ class FlatParam:
     def use_placeholders(self) -> None:
         """A :class:`FreedParameter` at every original location (see Note); made once."""
         if self.placeholders is None:
-            unit = self.tag.name or "<not yet run>"
+            unit = self.tag.name
             self.placeholders = [
                 freed_parameter(
                     slot.shape,

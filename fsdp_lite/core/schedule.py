@@ -94,7 +94,7 @@ class ExecOrder(Generic[T]):
     """
 
     direction: str  # "forward" or "backward", for stats()
-    ledger: accounting.Ledger | None = None  # the root's: counts each replacement
+    ledger: accounting.Ledger  # the root's: counts each replacement
     recorded: list[T] | None = None
     recording: list[T] = field(default_factory=list)  # this pass's, once it strayed
     cursor: int = 0  # position of the next expected unit in this pass
@@ -123,7 +123,7 @@ class ExecOrder(Generic[T]):
         whether the recorded order changed (the schedule is rebuilt then)."""
         if self.recorded is not None and self.on_track:
             return False
-        if self.recorded is not None and self.ledger is not None:
+        if self.recorded is not None:
             self.ledger.order_changed(self.direction)
         self.recorded, self.recording = self.recording, []
         self.on_track = False

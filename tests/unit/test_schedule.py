@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import fsdp_lite
-from fsdp_lite.core import schedule
+from fsdp_lite.core import accounting, schedule
 from fsdp_lite.core.policies import PrefetchPolicy
 from fsdp_lite.testing import GPT, GPTConfig
 from fsdp_lite.testing.models import Block
@@ -41,7 +41,8 @@ def test_reshard_after_forward_and_max_in_flight() -> None:
 
 
 def test_an_order_is_replaced_only_when_a_pass_strays() -> None:
-    order: schedule.ExecOrder[str] = schedule.ExecOrder("forward")
+    ledger = accounting.Ledger()
+    order: schedule.ExecOrder[str] = schedule.ExecOrder("forward", ledger)
     order.start()
     assert [order.visit(u) for u in "abc"] == [None, None, None]  # nothing recorded yet
     assert order.freeze() is True  # the first pass sets the order
@@ -55,6 +56,7 @@ def test_an_order_is_replaced_only_when_a_pass_strays() -> None:
     assert [order.visit(u) for u in "acb"] == [0, None, None]
     assert order.freeze() is True  # strayed: its own order replaces the recorded one
     assert order.recorded == ["a", "c", "b"]
+    assert dict(ledger.order_changes) == {"forward": 1}  # the first pass is no change
 
 
 def test_the_root_builds_its_schedule_once_per_order(world1, monkeypatch) -> None:
