@@ -272,14 +272,14 @@ def main(argv: list[str] | None = None) -> None:
         start_note = prepare_start(cfg, args.overwrite, int(os.environ.get("RANK", 0)))
         data, tokenizer = _load_data(cfg, world // cfg.parallel.tp)  # the data-parallel ranks
         d = init_distributed(cfg.fsdp.timeout_s, cfg.parallel.tp)
-    except ConfigError as e:
+    except (ConfigError, RunExistsError) as e:
+        # Every rank refuses alike; rank 0 says why and fails the job. The others leave
+        # without failing: torchrun stops every worker at the first failure, and one that
+        # came before rank 0's could cut its message off.
         if rank0:
-            print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except RunExistsError as e:
-        if rank0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+            what = "config error" if isinstance(e, ConfigError) else "error"
+            print(f"{what}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2 if rank0 else 0)
     try:
         train(cfg, data, d, tokenizer, start_note)
     except fsdp_lite.CheckpointError as e:  # e.g. --resume from another model's checkpoint
