@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_lite.addons import state_dict as _state_dict
 from fsdp_lite.addons import state_dict_type as _sdt
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
-from fsdp_lite.build import deferred_init, ownership
+from fsdp_lite.build import deferred_init, from_torch_fsdp, ownership
 from fsdp_lite.build.unit_init import build_flat_params, install_fp32_modules, prepare_buffers
 from fsdp_lite.build.wrap import Policy, apply_policy, unowned_parameters
 from fsdp_lite.core import accounting, collectives, devices, ignored, root
@@ -126,7 +126,13 @@ class FSDPModule(nn.Module):
             one with dims (replicate, shard) (hybrid sharding), usually the data-parallel
             slice of the world mesh (``world["dp"]``, ``world["dp_replicate", "dp_shard"]``).
             Instead of ``process_group``, not with it. Parameters that are DTensors (tensor
-            or sequence parallel on other dims of the mesh) are refused for now.
+            parallel on other dims of the world mesh) keep their placements inside units
+            (docs/tensor-parallel.md).
+        torch_fsdp_keywords: none is taken: PyTorch FSDP's arguments that fsdp_lite does
+            not share (``sharding_strategy``, ``cpu_offload``, ``mp_policy``, ``device_id``,
+            ...) are refused with the fsdp_lite argument that does the same, and so are
+            FSDP's option objects and wrap policies passed for fsdp_lite's
+            (``build/from_torch_fsdp.py``).
     """
 
     def __init__(
@@ -151,7 +157,10 @@ class FSDPModule(nn.Module):
         ignored_modules: Iterable[nn.Module] | None = None,
         ignored_params: Iterable[nn.Parameter] | None = None,
         mesh: DeviceMesh | None = None,
+        **torch_fsdp_keywords: Any,
     ) -> None:
+        from_torch_fsdp.check_keywords(torch_fsdp_keywords)
+        from_torch_fsdp.check_options(auto_wrap_policy, mixed_precision, offload, prefetch)
         super().__init__()
         if mesh is not None:
             process_group = collectives.mesh_groups(mesh, process_group)
@@ -574,7 +583,13 @@ class FSDPModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            pass
+        try:
             return getattr(self._modules["module"], name)
+        except AttributeError:
+            if name in from_torch_fsdp.REFUSED_METHODS:
+                raise from_torch_fsdp.refused_method(name) from None
+            raise
 
     def named_modules(
         self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
@@ -630,6 +645,11 @@ class FSDPModule(nn.Module):
                 (sum(f.full_nbytes for f in u.flat_params) for u in units), default=0
             ),
         }
+
+
+# PyTorch FSDP's methods that FSDPModule lacks: reading one says what to call instead.
+for _name in from_torch_fsdp.REFUSED_METHODS:
+    setattr(FSDPModule, _name, from_torch_fsdp.Refused(_name))
 
 
 def _short(dtype: torch.dtype) -> str:

@@ -39,6 +39,7 @@ from torch import nn
 
 from fsdp_lite.addons.activation_checkpointing import apply_activation_checkpointing
 from fsdp_lite.addons.offload import CPUOffload, SSDOffload
+from fsdp_lite.build import from_torch_fsdp
 from fsdp_lite.build.wrap import Policy
 from fsdp_lite.core import dtensors
 from fsdp_lite.core.nested import tensors_in
@@ -191,6 +192,7 @@ def estimate_memory(
             ``"keep"`` (that and ``set_reshard_after_backward(False)``: every unit's full
             parameters held from the step's first forward to its last backward).
     """
+    from_torch_fsdp.check_options(auto_wrap_policy, mixed_precision, offload, prefetch)
     view = resolve_optimizer_params(optimizer_params, whole_params=whole_params)
     planner = _Planner(model, example_inputs, world_size, auto_wrap_policy, mixed_precision,
                        optimizer, loss_fn, device, backend, view)  # fmt: skip
