@@ -160,7 +160,9 @@ class FSDPModule(nn.Module):
         **torch_fsdp_keywords: Any,
     ) -> None:
         from_torch_fsdp.check_keywords(torch_fsdp_keywords)
-        from_torch_fsdp.check_options(auto_wrap_policy, mixed_precision, offload, prefetch)
+        from_torch_fsdp.check_options(
+            auto_wrap_policy, mixed_precision, offload, prefetch, reshard_after_forward
+        )
         super().__init__()
         if mesh is not None:
             process_group = collectives.mesh_groups(mesh, process_group)
@@ -310,6 +312,7 @@ class FSDPModule(nn.Module):
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """FSDP2's: the ``reshard_after_forward`` argument, changed between steps."""
+        from_torch_fsdp.check_reshard_after_forward(reshard_after_forward)
         units = self._idle_units(recurse, "set_reshard_after_forward")
         for unit in units:
             unit.reshard_after_forward = bool(reshard_after_forward)

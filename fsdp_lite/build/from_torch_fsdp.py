@@ -262,10 +262,30 @@ def _policy(policy: object) -> str | None:
     return None
 
 
-def check_options(auto_wrap_policy: object, mixed_precision: object, offload: object,
-                  prefetch: object) -> None:  # fmt: skip
+def check_reshard_after_forward(value: object) -> None:
+    """``True``, ``False`` or ``None``; FSDP2's int (reshard to groups of that many ranks)
+    is refused rather than read as ``True``."""
+    if value is None or isinstance(value, bool):
+        return
+    raise TypeError(
+        f"reshard_after_forward must be True, False or None, got {value!r}: fsdp_lite has no "
+        "FSDP2-style resharding to a smaller group after forward; pass True (free after "
+        "forward, gather again over every rank in backward) or False (keep the full "
+        "parameters until backward)"
+    )
+
+
+def check_options(
+    auto_wrap_policy: object,
+    mixed_precision: object,
+    offload: object,
+    prefetch: object,
+    reshard_after_forward: object = None,
+) -> None:
     """Refuse PyTorch FSDP's option objects (and FSDP1's wrap policies) passed for
-    fsdp_lite's, naming the fsdp_lite object that does the same."""
+    fsdp_lite's, naming the fsdp_lite object that does the same, and FSDP2's int
+    ``reshard_after_forward``."""
+    check_reshard_after_forward(reshard_after_forward)
     found = [
         ("auto_wrap_policy", auto_wrap_policy, _policy(auto_wrap_policy)),
         ("mixed_precision", mixed_precision, _mixed_precision(mixed_precision)),

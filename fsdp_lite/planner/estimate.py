@@ -192,7 +192,9 @@ def estimate_memory(
             ``"keep"`` (that and ``set_reshard_after_backward(False)``: every unit's full
             parameters held from the step's first forward to its last backward).
     """
-    from_torch_fsdp.check_options(auto_wrap_policy, mixed_precision, offload, prefetch)
+    from_torch_fsdp.check_options(
+        auto_wrap_policy, mixed_precision, offload, prefetch, reshard_after_forward
+    )
     view = resolve_optimizer_params(optimizer_params, whole_params=whole_params)
     planner = _Planner(model, example_inputs, world_size, auto_wrap_policy, mixed_precision,
                        optimizer, loss_fn, device, backend, view)  # fmt: skip

@@ -73,6 +73,10 @@ REFUSED_ARGUMENTS = {
         {"shard_placement_fn": lambda p: None},
         "optimizer_params='whole'",
     ),
+    "FSDP2 reshard_after_forward=<int>": (
+        {"reshard_after_forward": 2},
+        "no FSDP2-style resharding to a smaller group",
+    ),
     "FSDP1 MixedPrecision as mixed_precision": (
         {"mixed_precision": torch_fsdp.MixedPrecision(torch.bfloat16, torch.float32)},
         "pass mixed_precision=fsdp_lite.MixedPrecision(param_dtype=torch.bfloat16, "
@@ -156,7 +160,7 @@ def test_fsdp_arguments_are_refused_with_the_fsdp_lite_argument(world1, case: st
     with pytest.raises(TypeError) as err:
         fsdp_lite.FSDPModule(model, **kwargs)
     msg = str(err.value)
-    assert says in msg and "PyTorch FSDP's" in msg, msg
+    assert says in msg and ("PyTorch FSDP's" in msg or "FSDP2-style" in msg), msg
     assert not units_of(model) and all(
         torch.equal(v, before[k]) for k, v in model.state_dict().items()
     )
@@ -227,3 +231,10 @@ def test_the_planner_refuses_them_too() -> None:
         fsdp_lite.estimate_memory(
             _gpt(), (x, x), 4, auto_wrap_policy=torch_wrap.ModuleWrapPolicy({Block})
         )
+
+
+def test_set_reshard_after_forward_refuses_fsdp2s_int(world1) -> None:
+    model = fsdp_lite.FSDPModule(_gpt(), auto_wrap_policy=fsdp_lite.wrap.by_type(Block))
+    with pytest.raises(TypeError, match="must be True, False or None, got 8"):
+        model.set_reshard_after_forward(8)
+    assert [u.reshard_after_forward for u in units_of(model)] == [None] * 3  # unchanged
