@@ -10,6 +10,12 @@ silently wrong.
   wrapped): nothing averages their gradients.
 - fp16 shards of a multi-rank unit stepped without ``fsdp_lite.ShardedGradScaler`` having
   unscaled them: a stock ``GradScaler`` skips a step on one rank only (a warning).
+- torch's distributed state-dict helpers (``get_state_dict``, ``get_optimizer_state_dict``,
+  ``set_state_dict``, ...; FSDP2's checkpoint habit) on an optimizer stepping shards: they
+  take each rank's shards for whole tensors under one name, so ``dcp.save`` would keep one
+  rank's and the checkpoint would not load. The optimizer gets state-dict pre-hooks that
+  refuse those helpers (only them: a rank's own ``optimizer.state_dict()`` stays) and name
+  ``fsdp_lite.save_checkpoint`` / ``load_checkpoint``, which write and read FSDP2's layout.
 
 One global step pre-hook (torch offers none per parameter), installed once per process by
 the first wrap (``install_check``); it checks each optimizer once, marking it, so it costs
@@ -20,6 +26,7 @@ optimizers holding no fsdp_lite parameter.
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 
 import torch
@@ -91,6 +98,9 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: obj
     _refuse_flattened(optimizer, params)
     _refuse_cut_matrices(optimizer, params)
     marks = [m for p in params if (m := shard_ranks(p)) is not None]
+    if marks:
+        optimizer.register_state_dict_pre_hook(_refuse_torch_state_dict_helpers)
+        optimizer.register_load_state_dict_pre_hook(_refuse_torch_state_dict_helpers)
     ranks = max((world * replicas for world, replicas in marks), default=1)
     if ranks > 1:
         _refuse_unaveraged(optimizer, params, ranks)
@@ -154,3 +164,28 @@ def _warn_fp16_without_sharded_scaler(
             UserWarning,
             stacklevel=3,
         )
+
+
+# The module of torch's distributed state-dict helpers (get_state_dict, set_state_dict, ...).
+_TORCH_STATE_DICT_HELPERS = "torch.distributed.checkpoint.state_dict"
+
+
+def _refuse_torch_state_dict_helpers(optimizer: torch.optim.Optimizer, *args: object) -> None:
+    """A state-dict pre-hook (saving and loading) of an optimizer stepping fsdp_lite shards:
+    raises when one of torch's distributed state-dict helpers called it."""
+    frame, helper = sys._getframe(1), None
+    while frame is not None:
+        if frame.f_globals.get("__name__") == _TORCH_STATE_DICT_HELPERS:
+            helper = frame.f_code.co_name  # the outermost: the one the user called
+        frame = frame.f_back
+    if helper is None:
+        return
+    raise RuntimeError(
+        f"torch.distributed.checkpoint.state_dict.{helper} cannot read or "
+        f"write the state of this {type(optimizer).__name__}: it steps fsdp_lite shards, which "
+        "torch's helpers take for whole tensors (DCP would save one rank's shard under each "
+        "name, and the checkpoint would not load). Use fsdp_lite.save_checkpoint(path, "
+        "model, optimizer) and fsdp_lite.load_checkpoint(path, model, optimizer): they write "
+        "the layout FSDP2's get_state_dict + dcp.save writes (FSDP2 resumes from it) and read "
+        "FSDP2's and torchtitan's checkpoints, at any world size"
+    )

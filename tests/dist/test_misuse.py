@@ -1,7 +1,8 @@
 """Misuse that used to train silently wrong raises a named error before anything is lost
 (W=2, gloo): only the blocks wrapped (several roots, parameters outside every unit),
-hybrid replicas initialized differently, and a local error inside a collective call
-(reported as itself, not as a dead peer)."""
+hybrid replicas initialized differently, a local error inside a collective call
+(reported as itself, not as a dead peer), and torch's distributed state-dict helpers on
+an optimizer of shards (a checkpoint that would not load)."""
 
 from __future__ import annotations
 
@@ -142,6 +143,44 @@ def _local_error_is_not_a_peer_error() -> None:
     dist.barrier()
 
 
+def _torch_state_dict_helpers() -> None:
+    """FSDP2's checkpoint habit, get_state_dict + dcp.save, on an optimizer stepping
+    fsdp_lite shards (flat and pieces): refused before anything is read, written or changed,
+    naming fsdp_lite.save_checkpoint; the rank's own optimizer.state_dict() still works."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    for layout in ("flat", "pieces"):
+        torch.manual_seed(0)
+        policy = fsdp_lite.wrap.by_type(nn.Linear)
+        model = fsdp_lite.FSDPModule(Net(), auto_wrap_policy=policy, optimizer_params=layout)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(4, 8)).backward()
+        opt.step()
+        local = opt.state_dict()
+        before = copy.deepcopy(local["state"])
+        msd = get_model_state_dict(model)  # full tensors under the original names
+        assert msd["embed.weight"].shape == (16, 8), {k: v.shape for k, v in msd.items()}
+        loads = {"model_state_dict": msd, "optim_state_dict": local}
+        for helper, kwargs in (
+            (get_state_dict, {}),
+            (get_optimizer_state_dict, {}),
+            (set_state_dict, loads),
+        ):
+            name = helper.__name__
+            want = rf"state_dict\.{name} cannot read or write the state of this AdamW: it "
+            with pytest.raises(RuntimeError, match=want + r".*fsdp_lite\.save_checkpoint"):
+                helper(model, opt, **kwargs)
+        after = opt.state_dict()["state"]
+        assert after.keys() == before.keys(), layout
+        for i, state in before.items():
+            assert all(torch.equal(v, after[i][k]) for k, v in state.items()), (layout, i)
+
+
 def _cases(rank: int, world: int) -> dict:
     return run_subtests(
         [
@@ -154,6 +193,7 @@ def _cases(rank: int, world: int) -> dict:
                 _hybrid_replicas_differ,
             ),
             ("a local error in a collective is not a PeerError", _local_error_is_not_a_peer_error),
+            ("torch's get_state_dict / set_state_dict: refused", _torch_state_dict_helpers),
         ]
     )
 
