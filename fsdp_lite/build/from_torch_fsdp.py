@@ -140,12 +140,18 @@ def _sharding_strategy(value: object) -> str:
     return advice.get(value, "drop it: fsdp_lite fully shards by default")  # type: ignore[arg-type]
 
 
+_OFFLOAD = "to offload, pass offload=fsdp_lite.CPUOffload(); else drop it"
+_MIXED_PRECISION = (
+    "to compute in low precision, pass mixed_precision=fsdp_lite.MixedPrecision("
+    "param_dtype=..., reduce_dtype=...); else drop it"
+)
+
 # FSDP1 / FSDP2 keyword -> what to do (a function of the value where it decides).
 _KEYWORDS: dict[str, Callable[[Any], str]] = {
     "sharding_strategy": _sharding_strategy,
-    "cpu_offload": lambda v: _offload(v) or "",
-    "offload_policy": lambda v: _offload(v) or "",
-    "mp_policy": lambda v: _mixed_precision(v) or "",
+    "cpu_offload": lambda v: _offload(v) or _OFFLOAD,
+    "offload_policy": lambda v: _offload(v) or _OFFLOAD,
+    "mp_policy": lambda v: _mixed_precision(v) or _MIXED_PRECISION,
     "backward_prefetch": lambda v: _PREFETCH,
     "forward_prefetch": lambda v: _PREFETCH,
     "limit_all_gathers": lambda v: _PREFETCH,
@@ -172,10 +178,6 @@ def check_keywords(keywords: Mapping[str, Any]) -> None:
         )
 
 
-def _dtype(d: torch.dtype | None) -> str:
-    return "None" if d is None else str(d)
-
-
 def _mixed_precision(mp: object) -> str | None:
     """The fsdp_lite ``MixedPrecision`` that does what FSDP1's ``MixedPrecision`` or
     FSDP2's ``MixedPrecisionPolicy`` ``mp`` does; None for anything else. Both reduce in
@@ -193,7 +195,7 @@ def _mixed_precision(mp: object) -> str | None:
     reduce = mp.reduce_dtype or param
     args = [f"param_dtype={param}", f"reduce_dtype={reduce}"]
     if buffers is not None:
-        args.append(f"buffer_dtype={_dtype(buffers)}")
+        args.append(f"buffer_dtype={buffers}")
     if not cast:
         args.append("cast_inputs=False")
     extra = ""
