@@ -651,8 +651,7 @@ class FSDPModule(nn.Module):
 
 
 # PyTorch FSDP's methods that FSDPModule lacks: reading one says what to call instead.
-for _name in from_torch_fsdp.REFUSED_METHODS:
-    setattr(FSDPModule, _name, from_torch_fsdp.Refused(_name))
+from_torch_fsdp.add_refused_methods(FSDPModule)
 
 
 def _short(dtype: torch.dtype) -> str:

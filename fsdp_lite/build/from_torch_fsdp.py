@@ -25,6 +25,7 @@ import enum
 import functools
 import inspect
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -51,8 +52,8 @@ _DIVIDE = (
     "or mesh, replicas included); for another normalization, scale the loss"
 )
 
-# FSDP1 / FSDP2 method -> what to do with fsdp_lite instead.
-REFUSED_METHODS: dict[str, str] = {
+# FSDP1 / FSDP2 method -> what to do with fsdp_lite instead (a constant table).
+REFUSED_METHODS: Mapping[str, str] = MappingProxyType({
     # FSDP2's FSDPModule
     "unshard": "read or write full parameters inside `with model.summon_full_params():`; a "
     "forward gathers what it needs by itself (and prefetches: fsdp_lite.PrefetchPolicy)",
@@ -103,7 +104,7 @@ REFUSED_METHODS: dict[str, str] = {
     "flatten_sharded_optim_state_dict": _SHARDED_CHECKPOINT,
     "rekey_optim_state_dict": "not needed: fsdp_lite's optimizer state dicts are keyed by "
     "parameter names already",
-}
+})
 
 
 class Refused:
@@ -116,6 +117,14 @@ class Refused:
 
     def __get__(self, obj: object, owner: type | None = None) -> Any:
         raise refused_method(self.name)
+
+
+def add_refused_methods(cls: type) -> None:
+    """Give ``cls`` (``FSDPModule``) a ``Refused`` attribute for each name of
+    ``REFUSED_METHODS``, so reading one on the class says what to call instead (an
+    instance's ``__getattr__`` raises the same ``refused_method`` error)."""
+    for name in REFUSED_METHODS:
+        setattr(cls, name, Refused(name))
 
 
 def refused_method(name: str) -> AttributeError:
@@ -147,7 +156,7 @@ _MIXED_PRECISION = (
 )
 
 # FSDP1 / FSDP2 keyword -> what to do (a function of the value where it decides).
-_KEYWORDS: dict[str, Callable[[Any], str]] = {
+_KEYWORDS: Mapping[str, Callable[[Any], str]] = MappingProxyType({
     "sharding_strategy": _sharding_strategy,
     "cpu_offload": lambda v: _offload(v) or _OFFLOAD,
     "offload_policy": lambda v: _offload(v) or _OFFLOAD,
@@ -164,7 +173,7 @@ _KEYWORDS: dict[str, Callable[[Any], str]] = {
         "buffer split evenly over the ranks; optimizer_params='whole' gives each rank whole "
         "parameters instead (for Muon)"
     ),
-}
+})
 
 
 def check_keywords(keywords: Mapping[str, Any]) -> None:
